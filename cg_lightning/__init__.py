@@ -1,0 +1,36 @@
+"""cg-lightning: per-layer CUDA graphs under an exact data-parallel engine, for Lightning and Accelerate.
+
+``import cg_lightning`` registers the Lightning strategy name ``"cudagraph_ddp"``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
+
+from .ddp import DataParallelEngine, DDPOptions, GradSyncError
+from .graphs import (
+    CheckpointWithoutOutput,
+    GraphCaptureError,
+    GraphOptions,
+    GraphSignatureError,
+    checkpoint,
+    is_graph_capturing,
+    is_graph_warmup,
+)
+from .strategy import CUDAGraphDDPStrategy
+
+CUDAGraphDDPStrategy.register_strategies(_StrategyRegistry)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CUDAGraphDDPStrategy",
+    "CheckpointWithoutOutput",
+    "DDPOptions",
+    "DataParallelEngine",
+    "GradSyncError",
+    "GraphCaptureError",
+    "GraphOptions",
+    "GraphSignatureError",
+    "checkpoint",
+    "is_graph_capturing",
+    "is_graph_warmup",
+]

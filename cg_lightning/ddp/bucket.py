@@ -1,0 +1,61 @@
+"""A bucket: a contiguous slice of a gradient buffer, all-reduced once all its parameters are ready."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class Bucket:
+    """Parameters whose ``main_grad`` views share one contiguous slice ``data`` (1-D).
+
+    ``counts`` holds this iteration's grad-ready count per parameter; ``golden`` the counts of the first
+    iteration. Once ``golden`` is known, the bucket is ready when ``counts == golden``.
+    """
+
+    def __init__(self, index: int, params: List[torch.nn.Parameter], data: torch.Tensor) -> None:
+        self.index = index
+        self.params = params
+        self.data = data
+        self.counts: Dict[torch.nn.Parameter, int] = {p: 0 for p in params}
+        self.golden: Optional[Dict[torch.nn.Parameter, int]] = None
+        self.pending = len(params)  # parameters whose count is still below golden
+        self.handle = None
+        self.dispatched = False
+
+    def register_ready(self, param: torch.nn.Parameter) -> bool:
+        """Count one grad-ready occurrence; True when the bucket just became complete."""
+        count = self.counts[param] + 1
+        self.counts[param] = count
+        if self.golden is not None and count == self.golden[param]:
+            self.pending -= 1
+            return self.pending == 0
+        return False
+
+    def missing(self) -> List[torch.nn.Parameter]:
+        """Parameters whose count differs from the golden count (all zero-count ones before golden)."""
+        if self.golden is None:
+            return [p for p, c in self.counts.items() if c == 0]
+        return [p for p, c in self.counts.items() if c != self.golden[p]]
+
+    def dispatch(self, group, world_size: int, average: bool) -> None:
+        """Start the (asynchronous) all-reduce of ``data``; pre-divides by ``world_size`` when averaging."""
+        self.dispatched = True
+        if world_size == 1:
+            return
+        if average:
+            self.data.div_(world_size)
+        self.handle = dist.all_reduce(self.data, group=group, async_op=True)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def reset(self) -> None:
+        for p in self.counts:
+            self.counts[p] = 0
+        self.pending = len(self.params)
+        self.dispatched = False

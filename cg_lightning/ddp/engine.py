@@ -1,0 +1,243 @@
+"""The data-parallel engine: ``main_grad`` buffers, per-parameter grad-ready hooks, bucketed all-reduce.
+
+Per parameter a hook on its ``AccumulateGrad`` node (it fires even when a graph replay handed autograd
+no gradient, which a ``post_accumulate_grad`` hook would not) adds ``param.grad`` into
+``param.main_grad`` (unless ``param.grad_added_to_main_grad`` says a graph already did), clears
+``param.grad`` and reports the parameter ready. While graphs are built or the eager backend replays, the
+hook defers: it leaves ``param.grad`` to the graph code and hands its notification to the capture
+recorder (:mod:`cg_lightning.graphs.state`).
+
+The first iteration records each parameter's *golden* ready count (a parameter finalized in several
+backward passes reports several times); later iterations dispatch a bucket's asynchronous all-reduce as
+soon as every parameter in it reached its golden count. :meth:`DataParallelEngine.finish_grad_sync`
+waits for all buckets; a bucket that is not complete there is a :class:`GradSyncError` on every rank,
+naming the parameters and their counts (Megatron-LM's DDP, made hang-free).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..graphs.state import grad_ready_deferred, record_grad_ready
+from .buffer import GradBuffer
+from .bucket import Bucket
+from .errors import GradSyncError
+from .options import DDPOptions
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_CAUSES = (
+    "Usual causes: a parameter used only inside activation recomputation that the graph did not "
+    "discover, a data-dependent branch that skips a module on this step or this rank, or a parameter "
+    "that takes no part in the loss (freeze it with requires_grad=False before training)."
+)
+
+
+class DataParallelEngine(nn.Module):
+    """Wraps ``module`` for data-parallel training with exact ``main_grad`` accumulation.
+
+    Args:
+        module: the model (already on its device). Its parameters that require grad get
+            ``param.main_grad`` (a view into a contiguous buffer per gradient dtype).
+        options: :class:`DDPOptions`.
+        process_group: the group to all-reduce over (default: the world, if initialized).
+
+    ``forward`` calls ``module``. Parameters and buffers are broadcast from rank 0 at construction.
+
+    Raises:
+        GradSyncError: from :meth:`finish_grad_sync` (see the module docstring).
+    """
+
+    def __init__(self, module: nn.Module, options: Optional[DDPOptions] = None, process_group=None) -> None:
+        super().__init__()
+        self.module = module
+        self.options = options or DDPOptions()
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = process_group if process_group is not None else (dist.group.WORLD if self.distributed else None)
+        self.world_size = dist.get_world_size(self.group) if self.distributed else 1
+        self.rank = dist.get_rank(self.group) if self.distributed else 0
+        self.params: List[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self.names: Dict[nn.Parameter, str] = {}
+        for name, p in module.named_parameters():
+            self.names.setdefault(p, name)
+        if self.distributed and self.world_size > 1:
+            self._broadcast_states()
+        self.buffers_: List[GradBuffer] = []
+        self.buckets: List[Bucket] = []
+        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+        for p in self.params:
+            dtype = _DTYPES[self.options.grad_dtype] if self.options.grad_dtype else p.dtype
+            by_dtype.setdefault(dtype, []).append(p)
+        bucket_bytes = int(self.options.bucket_size_mb * 1024 * 1024)
+        for dtype, params in by_dtype.items():
+            buf = GradBuffer(params, dtype, params[0].device, bucket_bytes, len(self.buckets))
+            self.buffers_.append(buf)
+            self.buckets.extend(buf.buckets)
+        self.bucket_of: Dict[nn.Parameter, Bucket] = {p: b for b in self.buckets for p in b.params}
+        self._grad_accs = []
+        for p in self.params:
+            p.grad_added_to_main_grad = False
+            acc = p.view_as(p).grad_fn.next_functions[0][0]
+            acc.register_hook(self._make_hook(p))
+            self._grad_accs.append(acc)
+        self.sync_enabled = True
+        self.golden_known = False
+        self.iteration = 0
+        self.dispatch_log: List[int] = []  # bucket indices in dispatch order, this iteration
+        self._control_group = None
+        if self.distributed and self.world_size > 1 and self.options.check_grad_ready:
+            timeout = datetime.timedelta(seconds=self.options.timeout_s)
+            self._control_group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ----------------------------------------------------------------- hooks
+    def _make_hook(self, param: nn.Parameter):
+        def notify() -> None:
+            self.register_grad_ready(param)
+
+        def hook(*_unused) -> None:
+            if grad_ready_deferred():
+                record_grad_ready(param, notify)
+                return
+            if param.grad_added_to_main_grad:
+                param.grad_added_to_main_grad = False
+            elif param.grad is not None:
+                param.main_grad.add_(param.grad)
+            param.grad = None
+            notify()
+
+        return hook
+
+    def register_grad_ready(self, param: nn.Parameter) -> None:
+        """Count one grad-ready occurrence of ``param``; dispatch its bucket when it is complete.
+
+        Under :meth:`no_sync` nothing is counted (gradients only accumulate in ``main_grad``).
+        """
+        if not self.sync_enabled:
+            return
+        bucket = self.bucket_of[param]
+        if bucket.register_ready(param) and not bucket.dispatched:
+            self.dispatch_log.append(bucket.index)
+            bucket.dispatch(self.group, self.world_size, self.options.average)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate into ``main_grad`` without counting or communicating (gradient accumulation)."""
+        old = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = old
+
+    # ----------------------------------------------------------------- step end
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket's all-reduce; afterwards ``main_grad`` holds the reduced gradients.
+
+        In the first iteration the golden counts are recorded (and compared across ranks) and every
+        bucket is dispatched here, in order.
+
+        Raises:
+            GradSyncError: on every rank, if any rank has a parameter whose ready count is not its golden
+                count (or, in the first iteration, that never reported ready), or the ranks' golden counts
+                differ, or another rank did not reach this point within ``timeout_s``.
+        """
+        missing = [(p, b) for b in self.buckets for p in b.missing()]
+        self._agree(missing)
+        if not self.golden_known:
+            for b in self.buckets:
+                b.golden = dict(b.counts)
+            self.golden_known = True
+            self._check_golden_across_ranks()
+            for b in self.buckets:
+                if not b.dispatched:
+                    self.dispatch_log.append(b.index)
+                    b.dispatch(self.group, self.world_size, self.options.average)
+        for b in self.buckets:
+            b.wait()
+            b.reset()
+        self.iteration += 1
+        self.last_dispatch_order = self.dispatch_log
+        self.dispatch_log = []
+
+    def _describe(self, missing) -> List[str]:
+        out = []
+        for p, b in missing:
+            golden = "unknown (first iteration)" if b.golden is None else b.golden[p]
+            out.append(f"{self.names.get(p, '?')} (ready {b.counts[p]} times, expected {golden})")
+        return out
+
+    def _agree(self, missing) -> None:
+        local = self._describe(missing)
+        if self._control_group is None:
+            if local:
+                raise GradSyncError(
+                    f"rank {self.rank}: gradients of these parameters did not report ready as expected in "
+                    f"iteration {self.iteration}: {', '.join(local)}. {_CAUSES}"
+                )
+            return
+        flag = torch.tensor([len(local)], dtype=torch.int64)
+        try:
+            dist.all_reduce(flag, group=self._control_group)
+        except Exception as exc:  # another rank died or hangs
+            raise GradSyncError(
+                f"rank {self.rank}: another rank did not reach the end of the backward within "
+                f"{self.options.timeout_s:.0f} s (iteration {self.iteration}); it probably failed earlier. "
+                f"Cause: {exc}"
+            ) from exc
+        if int(flag.item()) == 0:
+            return
+        reports: List[Optional[List[str]]] = [None] * self.world_size
+        dist.all_gather_object(reports, local, group=self._control_group)
+        lines = [f"rank {r}: {', '.join(rep)}" for r, rep in enumerate(reports) if rep]
+        raise GradSyncError(
+            f"gradients did not report ready as expected in iteration {self.iteration} "
+            f"(seen on rank {self.rank}):\n  " + "\n  ".join(lines) + f"\n{_CAUSES}"
+        )
+
+    def _check_golden_across_ranks(self) -> None:
+        if self._control_group is None:
+            return
+        mine = [b.golden[p] for b in self.buckets for p in b.params]
+        reports: List[Optional[List[int]]] = [None] * self.world_size
+        dist.all_gather_object(reports, mine, group=self._control_group)
+        if any(r != mine for r in reports):
+            names = [self.names.get(p, "?") for b in self.buckets for p in b.params]
+            diffs = [
+                f"{n}: " + ", ".join(f"rank {r}={rep[i]}" for r, rep in enumerate(reports))
+                for i, n in enumerate(names)
+                if len({rep[i] for rep in reports}) > 1
+            ]
+            raise GradSyncError(
+                "ranks disagree on how many times parameters report ready per iteration (golden counts): "
+                + "; ".join(diffs[:10])
+                + ". Every rank must run the same layers the same number of times."
+            )
+
+    # ----------------------------------------------------------------- optimizer glue
+    def expose_grads(self) -> None:
+        """Point ``param.grad`` at ``main_grad`` (a cast copy if dtypes differ) for optimizers and clipping."""
+        for p in self.params:
+            g = p.main_grad
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` and drop ``param.grad`` (after the optimizer step)."""
+        for buf in self.buffers_:
+            buf.zero_()
+        for p in self.params:
+            p.grad = None
+            p.grad_added_to_main_grad = False
+
+    def _broadcast_states(self) -> None:
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(t.data, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)

@@ -1,0 +1,24 @@
+"""Per-layer graph engine: capture state, backends, runners, replay node, discovery, recomputation.
+
+Imports only torch.
+"""
+
+from .checkpointing import CheckpointWithoutOutput, checkpoint
+from .manager import GraphManager, GraphStats
+from .options import GraphOptions
+from .runner import GraphCaptureError, LayerGraphRunner
+from .signature import GraphSignatureError
+from .state import is_graph_capturing, is_graph_warmup
+
+__all__ = [
+    "CheckpointWithoutOutput",
+    "GraphCaptureError",
+    "GraphManager",
+    "GraphOptions",
+    "GraphSignatureError",
+    "GraphStats",
+    "LayerGraphRunner",
+    "checkpoint",
+    "is_graph_capturing",
+    "is_graph_warmup",
+]

@@ -1,0 +1,112 @@
+"""Graph backends: how a body of work is captured once and replayed.
+
+A *body* is a Python callable that runs some kernels and returns a flat list of tensors (or ``None``).
+``backend.capture(body, pool)`` runs it once and returns a :class:`CapturedGraph` whose ``outputs`` are
+the static tensors of that run; ``graph.replay()`` recomputes them in place.
+
+* :class:`CudaBackend`: ``torch.cuda.CUDAGraph`` captured on a dedicated side stream (never the default
+  stream, never a stream with pending work of its own), all graphs of a manager sharing one memory pool;
+  graph-safe Philox RNG, so dropout masks change on every replay.
+* :class:`EagerBackend`: the body is simply run again at replay and its results copied into the static
+  outputs. Same static-buffer semantics and the same bookkeeping, no CUDA needed: how CPU CI exercises
+  the engine. It never replaces running the CUDA tests on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+
+from .state import eager_backend_replay
+
+Body = Callable[[], List[Optional[torch.Tensor]]]
+
+
+def _detached(outs: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    return [o.detach() if isinstance(o, torch.Tensor) else None for o in outs]
+
+
+class CapturedGraph:
+    """A captured body: ``outputs`` are its static tensors, ``replay()`` refreshes them."""
+
+    outputs: List[Optional[torch.Tensor]]
+
+    def replay(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class _EagerGraph(CapturedGraph):
+    def __init__(self, body: Body, outputs: List[Optional[torch.Tensor]]) -> None:
+        self._body = body
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        with eager_backend_replay():
+            new = self._body()
+        with torch.no_grad():
+            for static, fresh in zip(self.outputs, new):
+                if static is not None and fresh is not None:
+                    static.copy_(fresh)
+                elif static is not None:
+                    static.zero_()
+
+
+class EagerBackend:
+    """Runs bodies eagerly at every replay (CPU, debugging)."""
+
+    name = "eager"
+
+    def new_pool(self) -> None:
+        return None
+
+    def capture(self, body: Body, pool=None) -> CapturedGraph:
+        return _EagerGraph(body, _detached(body()))
+
+
+class _CudaGraph(CapturedGraph):
+    def __init__(self, graph: "torch.cuda.CUDAGraph", outputs: List[Optional[torch.Tensor]]) -> None:
+        self._graph = graph
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+class CudaBackend:
+    """Captures bodies into ``torch.cuda.CUDAGraph`` on a side stream of ``device``.
+
+    Raises:
+        RuntimeError: if CUDA is not available.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("graphs.backend='cuda' needs a CUDA device; use backend='eager' on CPU")
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, body: Body, pool=None) -> CapturedGraph:
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+            outs = body()
+        current.wait_stream(self.stream)
+        return _CudaGraph(graph, _detached(outs))
+
+
+def make_backend(name: str, device: torch.device):
+    """``"cuda"``, ``"eager"`` or ``"auto"`` (``cuda`` when ``device`` is a CUDA device)."""
+    if name == "auto":
+        name = "cuda" if device.type == "cuda" else "eager"
+    if name == "cuda":
+        return CudaBackend(device)
+    if name == "eager":
+        return EagerBackend()
+    raise ValueError(f"unknown graph backend {name!r}; expected 'auto', 'cuda' or 'eager'")

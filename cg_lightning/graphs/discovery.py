@@ -1,0 +1,44 @@
+"""Parameter discovery: which of a layer's parameters its captured backward must produce gradients for.
+
+A parameter used only inside activation recomputation (``CheckpointWithoutOutput``) has no autograd edge
+from the layer's outputs: the forward ran it under ``no_grad``. During warmup recomputation is bypassed,
+so the same parameter is reachable from the warmup outputs. ``params_to_backprop`` is the union of both
+reachable sets, filtered to the parameters the layer owns, in ``layer.parameters()`` order so capture and
+replay share one positional layout (Megatron-LM PR #6373).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence, Set
+
+import torch
+
+
+def reachable_leaves(outputs: Iterable[torch.Tensor]) -> Set[int]:
+    """``id`` of every leaf tensor whose ``AccumulateGrad`` node is reachable from ``outputs``."""
+    found: Set[int] = set()
+    seen: Set[int] = set()
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    leaves = [o for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is None and o.requires_grad]
+    found.update(id(o) for o in leaves)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def params_to_backprop(owned: Sequence[torch.nn.Parameter], *reachable: Set[int]) -> List[torch.nn.Parameter]:
+    """The parameters of ``owned`` (in its order) that require grad and appear in any ``reachable`` set."""
+    union: Set[int] = set().union(*reachable)
+    return [p for p in owned if p.requires_grad and id(p) in union]
+
+
+def owned_parameters(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """``module.parameters()`` (recursive, de-duplicated), in order."""
+    return list(module.parameters())

@@ -1,0 +1,57 @@
+"""Options of the per-layer graph engine (one dataclass, also used as the YAML schema node)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+BACKENDS = ("auto", "cuda", "eager")
+SHAPE_POLICIES = ("eager", "error")
+
+
+@dataclass
+class GraphOptions:
+    """How the strategy graphs layers.
+
+    Attributes:
+        enabled: capture and replay graphs at all; ``False`` trains eagerly through the same DDP engine.
+        layers: glob patterns over qualified module names (``"model.blocks.*"``); a module matches if its
+            name matches any pattern and none of its ancestors matched. ``None`` picks the entries of the
+            largest ``nn.ModuleList`` whose entries share one class.
+        warmup_steps: eager training steps (optimizer steps) before graphs are captured, >= 1: the last
+            eager step records which layers run, in which order and with which arguments.
+        num_warmup_iters: eager forward+backward passes per layer inside capture, >= 1; they discover the
+            parameters hidden behind activation recomputation (Megatron-LM PR #6373).
+        backend: ``"cuda"`` (``torch.cuda.CUDAGraph``), ``"eager"`` (same static buffers and bookkeeping,
+            kernels run eagerly; for CPU and debugging) or ``"auto"`` (``cuda`` on a CUDA device).
+        shape_policy: what a call whose arguments differ from the captured ones does: ``"eager"`` runs
+            that call eagerly (warns once per layer), ``"error"`` raises a ``GraphSignatureError``.
+
+    Raises:
+        ValueError: on an unknown backend or shape policy or a count below 1.
+    """
+
+    enabled: bool = True
+    layers: Optional[List[str]] = None
+    warmup_steps: int = 2
+    num_warmup_iters: int = 1
+    backend: str = "auto"
+    shape_policy: str = "eager"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"graphs.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.shape_policy not in SHAPE_POLICIES:
+            raise ValueError(f"graphs.shape_policy must be one of {SHAPE_POLICIES}, got {self.shape_policy!r}")
+        if self.warmup_steps < 1:
+            raise ValueError(
+                f"graphs.warmup_steps must be >= 1 (the last eager step records the layers to capture), "
+                f"got {self.warmup_steps}"
+            )
+        if self.num_warmup_iters < 1:
+            raise ValueError(
+                f"graphs.num_warmup_iters must be >= 1 (parameter discovery needs one warmup), "
+                f"got {self.num_warmup_iters}"
+            )
+        if self.layers is not None:
+            self.layers = list(self.layers)

@@ -1,0 +1,313 @@
+"""One graphed call: warmup, parameter discovery, forward and backward capture, replay.
+
+A :class:`LayerGraphRunner` belongs to one layer, one call index within a training step (a block
+applied twice per step has two runners) and one :class:`CallSignature`. Its life:
+
+1. ``warmup()``: ``num_warmup_iters`` eager forward+backward passes on the recorded sample arguments,
+   with recomputation bypassed, to find the parameters reachable only through recomputation.
+2. ``capture_forward()`` then, once all forwards of the step are captured, ``capture_backward()`` in
+   reverse order: static inputs, outputs, grad-outputs and grad-inputs live in one shared pool.
+3. ``replay_forward`` / ``replay_backward`` (called by :class:`ReplayFunction`).
+
+Gradient routing in the captured backward (Megatron-LM PR #6373): for every parameter in
+``params_to_backprop`` the outer weight gradient (``autograd.grad`` result) and the gradient a nested
+recomputation backward left in ``param.grad`` are added, each once. With ``accumulate_into_main_grad`` the
+sum goes into ``param.main_grad`` inside the graph and the replay returns ``None`` for that parameter
+after setting ``param.grad_added_to_main_grad``; otherwise the sum is returned to autograd, cloned unless
+the caller opted out or the parameter is a delayed-wgrad one (TransformerEngine PR #2937,
+pytorch/pytorch#181723). The policy is frozen at capture.
+
+Grad-ready notifications fired during the backward capture (by the DDP hooks of parameters finalized in
+a nested backward) are recorded with duplicates and order kept (Megatron-LM PR #6242). Each parameter in
+``params_to_backprop`` reports once per replay through its autograd edge; eager execution reports a
+hidden parameter (not reachable from the captured forward outputs) only through the nested backward, so
+one recorded occurrence of each hidden parameter is absorbed by its edge and the rest are replayed
+explicitly after every backward replay. Counts therefore equal eager's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Set
+
+import torch
+
+from .checkpointing import bypass_reentrant_checkpoint
+from .discovery import owned_parameters, params_to_backprop, reachable_leaves
+from .signature import CallSignature
+from .state import graph_capture, graph_warmup, recording_grad_ready
+from torch.utils import _pytree as pytree
+
+
+class GraphCaptureError(RuntimeError):
+    """A layer could not be captured; the message names the layer and the cause."""
+
+
+def _flat_outputs(out) -> tuple:
+    leaves, spec = pytree.tree_flatten(out)
+    return leaves, spec
+
+
+class LayerGraphRunner:
+    """Forward and backward graph of one call of one layer.
+
+    Args:
+        name: qualified module name, for messages.
+        module: the layer; its original ``forward`` is called through ``call``.
+        call: the layer's un-graphed call, ``call(*args, **kwargs)``.
+        signature: the call signature this runner serves.
+        sample_args, sample_kwargs: arguments of a recorded eager call (values are used for warmup and
+            capture only; shapes, dtypes and ``requires_grad`` define the static inputs).
+        backend: a :mod:`~cg_lightning.graphs.backends` backend; ``pool`` its shared memory pool.
+        accumulate_into_main_grad: add parameter gradients into ``param.main_grad`` inside the graph.
+        clone_param_grads_on_return: when not accumulating, return owned clones of parameter gradients.
+        num_warmup_iters: eager warmup passes (>= 1).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: torch.nn.Module,
+        call: Callable,
+        signature: CallSignature,
+        sample_args: tuple,
+        sample_kwargs: dict,
+        backend,
+        pool,
+        *,
+        accumulate_into_main_grad: bool,
+        clone_param_grads_on_return: bool = True,
+        num_warmup_iters: int = 1,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self._call = call
+        self.signature = signature
+        self.backend = backend
+        self.pool = pool
+        self.accumulate_into_main_grad = accumulate_into_main_grad
+        self.clone_param_grads_on_return = clone_param_grads_on_return
+        self.num_warmup_iters = max(1, num_warmup_iters)
+        self.owned = owned_parameters(module)
+        samples = signature.tensor_leaves(sample_args, sample_kwargs)
+        self.static_inputs = [
+            s.detach().clone().requires_grad_(m.requires_grad)
+            for s, m in zip(samples, [m for m, t in zip(signature.metas, signature.is_tensor) if t])
+        ]
+        self.num_inputs = len(self.static_inputs)
+        self._warmup_reachable: Set[int] = set()
+        self._visible: Set[int] = set()
+        self.params_to_backprop: List[torch.nn.Parameter] = []
+        self.hidden_params: List[torch.nn.Parameter] = []
+        self.replay_plan: List[Callable[[], None]] = []
+        self.clone_slots: List[bool] = []
+        self.output_requires_grad: List[bool] = []
+        self._out_spec = None
+        self._autograd_outputs: Optional[list] = None
+        self._fwd = None
+        self._bwd = None
+        self.static_grad_outputs: List[Optional[torch.Tensor]] = []
+        self.replays = 0
+        self._recording: Optional[list] = None
+        self._foreign_params: List[torch.nn.Parameter] = []
+        self.recorded_occurrences: List[torch.nn.Parameter] = []
+
+    # ----------------------------------------------------------------- building
+    def _run_module(self, inputs: Sequence[torch.Tensor]):
+        args, kwargs = self.signature.rebuild(inputs)
+        with torch.enable_grad():
+            out = self._call(*args, **kwargs)
+        leaves, spec = _flat_outputs(out)
+        bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+        if bad:
+            raise GraphCaptureError(
+                f"layer {self.name!r} returns non-tensor outputs ({', '.join(bad)}); a graphed layer must return "
+                "tensors (or nested tuples/lists/dicts of tensors). Exclude it from graphs.layers."
+            )
+        return leaves, spec
+
+    def _grad_targets(self, params: Sequence[torch.nn.Parameter], inputs: Sequence[torch.Tensor]):
+        return [t for t in inputs if t.requires_grad] + list(params)
+
+    def warmup(self) -> None:
+        """Eager passes with recomputation bypassed; records the parameters they reach."""
+        grad_params = [p for p in self.owned if p.requires_grad]
+        with graph_warmup(), bypass_reentrant_checkpoint():
+            for _ in range(self.num_warmup_iters):
+                inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in self.static_inputs]
+                outs, _ = self._run_module(inputs)
+                self._warmup_reachable |= reachable_leaves(outs)
+                diff = [o for o in outs if o.requires_grad]
+                targets = self._grad_targets(
+                    [p for p in grad_params if id(p) in self._warmup_reachable], inputs
+                )
+                if diff and targets:
+                    torch.autograd.grad(
+                        diff, targets, [torch.ones_like(o) for o in diff], allow_unused=True
+                    )
+                del outs, diff, inputs
+
+    def capture_forward(self) -> None:
+        """Capture the forward into the shared pool; fixes ``params_to_backprop``."""
+
+        def body():
+            outs, spec = self._run_module(self.static_inputs)
+            self._autograd_outputs = outs
+            self._out_spec = spec
+            return list(outs)
+
+        try:
+            with graph_capture(), bypass_reentrant_checkpoint():
+                self._fwd = self.backend.capture(body, self.pool)
+        except GraphCaptureError:
+            raise
+        except Exception as exc:  # host syncs, CPU tensors, data-dependent control flow ...
+            raise GraphCaptureError(_capture_failure(self.name, "forward", exc)) from exc
+        outs = self._autograd_outputs
+        self.output_requires_grad = [o.requires_grad for o in outs]
+        self._visible = reachable_leaves(outs)
+        self.params_to_backprop = params_to_backprop(self.owned, self._visible, self._warmup_reachable)
+        self.hidden_params = [p for p in self.params_to_backprop if id(p) not in self._visible]
+        self.clone_slots = [
+            self.clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False)
+            for p in self.params_to_backprop
+        ]
+        self.static_grad_outputs = [torch.zeros_like(o) if g else None for o, g in zip(outs, self.output_requires_grad)]
+
+    def _backward_body(self) -> List[Optional[torch.Tensor]]:
+        outs = self._autograd_outputs
+        self._autograd_outputs = None
+        params = self.params_to_backprop
+        stashed = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        diff = [(o, g) for o, g in zip(outs, self.static_grad_outputs) if g is not None]
+        targets = self._grad_targets(params, self.static_inputs)
+        grads: List[Optional[torch.Tensor]] = [None] * len(targets)
+        if diff and targets:
+            with torch.enable_grad():
+                grads = list(
+                    torch.autograd.grad(
+                        [o for o, _ in diff], targets, [g for _, g in diff], allow_unused=True
+                    )
+                )
+        n_in = len(targets) - len(params)
+        input_grads, wgrads = grads[:n_in], grads[n_in:]
+        param_slots: List[Optional[torch.Tensor]] = []
+        for p, wgrad, old in zip(params, wgrads, stashed):
+            nested = p.grad
+            p.grad = old
+            total = wgrad if nested is None else (nested if wgrad is None else wgrad + nested)
+            if self.accumulate_into_main_grad and hasattr(p, "main_grad"):
+                if total is not None:
+                    p.main_grad.add_(total)
+                param_slots.append(None)
+            else:
+                param_slots.append(total)
+        foreign = self._foreign_params if self._recording is None else self._foreign_in(self._recording)
+        for p in foreign:
+            nested, p.grad = p.grad, None
+            if nested is not None and hasattr(p, "main_grad"):
+                p.main_grad.add_(nested)
+        return input_grads + param_slots
+
+    def _foreign_in(self, occurrences) -> List[torch.nn.Parameter]:
+        """Parameters a nested recomputation finalized that this layer does not own, once each."""
+        mine = set(map(id, self.params_to_backprop))
+        seen: Set[int] = set()
+        out = []
+        for p, _ in occurrences:
+            if id(p) not in mine and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def capture_backward(self) -> None:
+        """Capture the backward (after every forward of the step was captured); builds the replay plan.
+
+        Parameters of other modules that a nested recomputation finalizes (it closes over them) are not
+        added to this layer's inputs; their nested gradient goes into their ``main_grad`` inside the
+        graph and their recorded notifications are replayed, so nothing is lost.
+        """
+        if not any(self.output_requires_grad):
+            self._bwd = None
+            self._autograd_outputs = None
+            return
+        try:
+            with graph_capture(), recording_grad_ready() as occurrences:
+                self._recording = occurrences
+                self._bwd = self.backend.capture(self._backward_body, self.pool)
+        except GraphCaptureError:
+            raise
+        except Exception as exc:
+            raise GraphCaptureError(_capture_failure(self.name, "backward", exc)) from exc
+        finally:
+            self._recording = None
+        self._foreign_params = self._foreign_in(occurrences)
+        absorbed: Set[int] = set()
+        hidden = set(map(id, self.hidden_params))
+        plan = []
+        for param, notify in occurrences:
+            if id(param) in hidden and id(param) not in absorbed:
+                absorbed.add(id(param))  # its autograd edge to the replay node reports this one
+                continue
+            plan.append(notify)
+        self.replay_plan = plan
+        self.recorded_occurrences = [p for p, _ in occurrences]
+
+    # ----------------------------------------------------------------- replay
+    def replay_forward(self, inputs: Sequence[torch.Tensor]) -> tuple:
+        with torch.no_grad():
+            for static, x in zip(self.static_inputs, inputs):
+                if static.data_ptr() != x.data_ptr():
+                    static.copy_(x)
+        self._fwd.replay()
+        self.replays += 1
+        return tuple(o.detach() for o in self._fwd.outputs)
+
+    def replay_backward(self, grad_outputs: Sequence[Optional[torch.Tensor]]) -> tuple:
+        if self._bwd is None:
+            return (None,) * (self.num_inputs + len(self.params_to_backprop))
+        with torch.no_grad():
+            for static, g in zip(self.static_grad_outputs, grad_outputs):
+                if static is None:
+                    continue
+                if g is None:
+                    static.zero_()
+                elif static.data_ptr() != g.data_ptr():
+                    static.copy_(g)
+        self._bwd.replay()
+        grads = self._bwd.outputs
+        n_in = len(grads) - len(self.params_to_backprop)
+        input_grads = []
+        it = iter(grads[:n_in])
+        for t in self.static_inputs:
+            input_grads.append(next(it) if t.requires_grad else None)
+        param_grads = []
+        for p, g, clone in zip(self.params_to_backprop, grads[n_in:], self.clone_slots):
+            if g is None:
+                if self.accumulate_into_main_grad and hasattr(p, "main_grad"):
+                    p.grad_added_to_main_grad = True
+                param_grads.append(None)
+            else:
+                param_grads.append(g.clone() if clone else g)
+        for notify in self.replay_plan:
+            notify()
+        return (*input_grads, *param_grads)
+
+    def output_structure(self, flat: tuple):
+        return pytree.tree_unflatten(list(flat), self._out_spec)
+
+
+def _capture_failure(name: str, what: str, exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    hints = []
+    low = text.lower()
+    if "capture" in low and ("sync" in low or "not permitted" in low or "operation not permitted" in low):
+        hints.append("a host synchronization (.item(), printing a tensor, a CPU copy, data-dependent Python "
+                     "control flow) inside the layer")
+    if not hints:
+        hints.append("a host synchronization, data-dependent control flow, a module hook or a CPU tensor")
+    return (
+        f"could not capture the {what} of layer {name!r}: {type(exc).__name__}: {text}. Likely cause: "
+        f"{hints[0]}. Remove it from the layer's forward, or leave the layer out of graphs.layers."
+    )

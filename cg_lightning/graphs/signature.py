@@ -1,0 +1,113 @@
+"""Call signatures: what a captured graph was built for, and how a later call differs from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Sequence, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class GraphSignatureError(RuntimeError):
+    """A call's arguments differ from those a graph was captured with (shape policy ``"error"``)."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype, device and ``requires_grad`` of one tensor argument."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorMeta":
+        return cls(tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+    def __str__(self) -> str:
+        grad = ", requires_grad" if self.requires_grad else ""
+        return f"Tensor{list(self.shape)} {str(self.dtype).replace('torch.', '')} on {self.device}{grad}"
+
+
+def _leaf_names(args: tuple, kwargs: dict) -> List[str]:
+    with_path, _ = pytree.tree_flatten_with_path((args, kwargs))
+    names = []
+    for path, _ in with_path:
+        top = path[0].idx if hasattr(path[0], "idx") else 0
+        rest = pytree.keystr(path[1:])
+        names.append(f"args{rest}" if top == 0 else f"kwargs{rest}")
+    return names
+
+
+class CallSignature:
+    """The structure and argument metadata of one call ``layer(*args, **kwargs)``.
+
+    Tensors are compared by :class:`TensorMeta`; every other leaf (ints, flags, ``None``) by value.
+    """
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        leaves, self.spec = pytree.tree_flatten((args, kwargs))
+        self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        self.metas = [TensorMeta.of(x) if t else x for x, t in zip(leaves, self.is_tensor)]
+        self._names = None
+        self._names_src = (args, kwargs)
+
+    @property
+    def names(self) -> List[str]:
+        if self._names is None:
+            self._names = _leaf_names(*self._names_src)
+            self._names_src = None
+        return self._names
+
+    def tensor_leaves(self, args: tuple, kwargs: dict) -> List[torch.Tensor]:
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        return [x for x, t in zip(leaves, self.is_tensor) if t]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Tuple[tuple, dict]:
+        """Arguments of this signature with the given tensors in the tensor slots."""
+        it = iter(tensors)
+        leaves = [next(it) if t else m for m, t in zip(self.metas, self.is_tensor)]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def mismatches(self, args: tuple, kwargs: dict) -> List[str]:
+        """One line per differing argument: ``name: captured X, got Y``; empty when the call matches."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.spec:
+            return [f"argument structure: captured {self.spec}, got {spec}"]
+        out = []
+        for i, (x, meta, is_t) in enumerate(zip(leaves, self.metas, self.is_tensor)):
+            if is_t:
+                got = TensorMeta.of(x) if isinstance(x, torch.Tensor) else x
+                if got != meta:
+                    out.append(f"{self.names[i]}: captured {meta}, got {got}")
+            elif isinstance(x, torch.Tensor) or not _same_value(x, meta):
+                out.append(f"{self.names[i]}: captured {meta!r}, got {x!r}")
+        return out
+
+    def matches(self, args: tuple, kwargs: dict) -> bool:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.spec:
+            return False
+        for x, meta, is_t in zip(leaves, self.metas, self.is_tensor):
+            if is_t:
+                if not isinstance(x, torch.Tensor) or (
+                    tuple(x.shape) != meta.shape
+                    or x.dtype != meta.dtype
+                    or x.device != meta.device
+                    or x.requires_grad != meta.requires_grad
+                ):
+                    return False
+            elif isinstance(x, torch.Tensor) or not _same_value(x, meta):
+                return False
+        return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:
+        return False

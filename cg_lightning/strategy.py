@@ -1,0 +1,162 @@
+"""``CUDAGraphDDPStrategy``: Lightning's DDP strategy with per-layer graphs and the project's DDP engine.
+
+Registered as ``"cudagraph_ddp"`` on ``import cg_lightning``. It is a ``DDPStrategy`` subclass, so
+Lightning's launchers, samplers, accumulation and checkpointing paths stay as they are; what changes:
+
+* ``_setup_model`` wraps the LightningModule in :class:`~cg_lightning.ddp.DataParallelEngine` (not
+  torch DDP) and installs a :class:`~cg_lightning.graphs.GraphManager` on the chosen layers;
+* ``training_step`` tells the manager a micro-batch starts (call indices, capture schedule);
+* ``block_backward_sync`` (gradient accumulation) uses the engine's ``no_sync``;
+* ``post_backward`` finishes the gradient sync and points ``param.grad`` at ``main_grad``, before
+  ``on_before_optimizer_step`` and gradient clipping; ``optimizer_step`` zeroes the buffers afterwards.
+
+Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPUs.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any, Callable, Dict, Generator, Optional, Union
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from .ddp import DataParallelEngine, DDPOptions
+from .graphs import GraphManager, GraphOptions
+
+
+def _as(cls, value):
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return cls(**value)
+    raise TypeError(f"expected {cls.__name__}, a dict or None, got {type(value).__name__}")
+
+
+class CUDAGraphDDPStrategy(DDPStrategy):
+    """Data-parallel training with per-layer CUDA graphs and exact ``main_grad`` accumulation.
+
+    Args:
+        graphs: :class:`~cg_lightning.graphs.GraphOptions` (or a dict of its fields): which layers,
+            warmup steps, backend, shape policy.
+        ddp: :class:`~cg_lightning.ddp.DDPOptions` (or a dict): bucket size (MiB), averaging,
+            ``main_grad`` dtype, timeout.
+        **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
+            ``start_method``, ...). torch-DDP-only options (``find_unused_parameters``, comm hooks) are
+            refused because the engine is not torch DDP.
+
+    Raises:
+        ValueError: for options of torch DDP that this engine does not implement, or manual
+            optimization (refused at setup with a message).
+    """
+
+    strategy_name = "cudagraph_ddp"
+
+    def __init__(
+        self,
+        graphs: Union[GraphOptions, Dict[str, Any], None] = None,
+        ddp: Union[DDPOptions, Dict[str, Any], None] = None,
+        **kwargs: Any,
+    ) -> None:
+        unsupported = sorted(
+            k for k in kwargs if k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
+                                       "bucket_cap_mb", "broadcast_buffers", "ddp_comm_hook",
+                                       "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+        )
+        if unsupported:
+            raise ValueError(
+                f"CUDAGraphDDPStrategy does not take torch-DDP options {unsupported}: its own engine buckets by "
+                "ddp.bucket_size_mb and requires every trainable parameter to get a gradient every step."
+            )
+        super().__init__(**kwargs)
+        self.graph_options = _as(GraphOptions, graphs)
+        self.ddp_options = _as(DDPOptions, ddp)
+        self.engine: Optional[DataParallelEngine] = None
+        self.graph_manager: Optional[GraphManager] = None
+        self.last_graph_stats = None  # GraphStats of the last fit, kept after teardown
+
+    # ----------------------------------------------------------------- setup
+    def _setup_model(self, model: Module) -> DataParallelEngine:
+        lm = self.lightning_module
+        if lm is not None and not lm.automatic_optimization:
+            raise ValueError(
+                "strategy='cudagraph_ddp' supports automatic optimization only: with manual optimization the "
+                "engine cannot tell when a backward ends. Use strategy='ddp' for this LightningModule, or "
+                "switch it to automatic optimization."
+            )
+        engine = DataParallelEngine(model, self.ddp_options)
+        self.engine = engine
+        if self.graph_options.enabled:
+            self.graph_manager = GraphManager(
+                model, self.graph_options, self.root_device, accumulate_into_main_grad=True
+            )
+        return engine
+
+    def _register_ddp_hooks(self) -> None:
+        """The engine registers its own hooks; torch-DDP comm hooks do not apply."""
+
+    # ----------------------------------------------------------------- training step
+    def training_step(self, *args: Any, **kwargs: Any):
+        if self.graph_manager is not None:
+            self.graph_manager.begin_step(self.lightning_module.trainer.global_step)
+            try:
+                return super().training_step(*args, **kwargs)
+            finally:
+                self.graph_manager.end_step()
+        return super().training_step(*args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        if self.engine is not None:
+            with self.engine.no_sync():
+                yield None
+        else:
+            yield None
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """Nothing to prepare: the engine's hooks are always armed."""
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        engine = self.engine
+        if engine is None or not engine.sync_enabled:
+            return
+        engine.finish_grad_sync()
+        engine.expose_grads()
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Module] = None,
+        **kwargs: Any,
+    ) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.engine is not None:
+            self.engine.zero_grad_buffer()
+        return out
+
+    # ----------------------------------------------------------------- teardown
+    def teardown(self) -> None:
+        if self.graph_manager is not None:
+            self.last_graph_stats = self.graph_manager.stats
+            self.graph_manager.remove()
+            self.graph_manager = None
+        if isinstance(self.model, DataParallelEngine):
+            self.model = self.lightning_module
+        self.engine = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="DDP with per-layer CUDA graphs and an exact main_grad engine (cg-lightning)",
+            override=True,
+        )

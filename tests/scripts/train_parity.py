@@ -1,0 +1,91 @@
+"""Train the example GPT with one strategy and save per-step losses, final weights and graph stats.
+
+Run directly (Lightning's launcher re-runs this script once per extra process)::
+
+    python tests/scripts/train_parity.py --strategy cudagraph_ddp --devices 2 --steps 20 --out /tmp/r.pt
+
+Rank 0 writes ``--out`` (a ``torch.save`` dict: ``losses`` list of floats, ``state`` the final
+state_dict, ``stats`` the graph counters or None, ``ready_counts`` golden counts by parameter name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+import cg_lightning
+from examples.data import TextDataModule
+from examples.gpt import GPTLightningModule
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"].detach()))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", default="cudagraph_ddp")
+    ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--accelerator", default="cpu")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--tie-weights", action="store_true")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    seed_everything(a.seed, workers=True)
+    model = GPTLightningModule(
+        n_layer=a.n_layer, d_model=a.d_model, n_head=a.n_head, block_size=a.block_size, lr=3e-3,
+        tie_weights=a.tie_weights,
+    )
+    data = TextDataModule(block_size=a.block_size, batch_size=a.batch_size, max_bytes=300_000)
+    if a.strategy == "cudagraph_ddp":
+        strategy = cg_lightning.CUDAGraphDDPStrategy(
+            graphs={"warmup_steps": a.warmup_steps, "backend": a.backend}
+        )
+    else:
+        strategy = a.strategy
+    rec = LossRecorder()
+    trainer = Trainer(
+        accelerator=a.accelerator, devices=a.devices, strategy=strategy, precision=a.precision,
+        max_steps=a.steps, accumulate_grad_batches=a.accumulate, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[rec],
+    )
+    trainer.fit(model, datamodule=data)
+    if trainer.is_global_zero:
+        stats = None
+        strat = trainer.strategy
+        if isinstance(strat, cg_lightning.CUDAGraphDDPStrategy) and strat.last_graph_stats is not None:
+            stats = dict(vars(strat.last_graph_stats))
+        torch.save(
+            {
+                "losses": rec.losses,
+                "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                "stats": stats,
+            },
+            a.out,
+        )
+
+
+if __name__ == "__main__":
+    main()
