@@ -1,0 +1,286 @@
+"""A small decoder-only transformer (GPT-style) and its LightningModule.
+
+The model is deliberately plain so that it can serve as a test bed for per-layer
+CUDA graphs: every :class:`Block` takes exactly one tensor and returns exactly one
+tensor, and its ``forward`` contains no host synchronisation, no data-dependent
+Python control flow and no creation of CPU tensors.  The embedding and the final
+norm/head run outside the blocks and are free to do ordinary eager things.
+
+Shapes used throughout:
+
+* ``B`` batch size, ``T`` sequence length (``T <= block_size``),
+* ``d`` = ``d_model``, ``V`` = ``vocab_size``, ``H`` = ``n_head``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+__all__ = ["Block", "GPT", "GPTLightningModule"]
+
+
+class Block(nn.Module):
+    """One pre-norm transformer decoder block.
+
+    ``x = x + attn(ln1(x))`` followed by ``x = x + mlp(ln2(x))``, where ``attn`` is
+    causal multi-head self-attention (fused q/k/v projection, PyTorch's
+    ``scaled_dot_product_attention``) and ``mlp`` is
+    ``Linear(d, 4d) -> GELU(tanh) -> Linear(4d, d)``.
+
+    Args:
+        d_model: width ``d`` of the residual stream.
+        n_head: number of attention heads; must divide ``d_model``.
+        dropout: probability used for attention dropout (training only) and for
+            the residual dropout after each sub-layer.
+        bias: whether the Linear and LayerNorm layers carry a bias.
+    """
+
+    def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        if d_model % n_head != 0:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_head ({n_head})")
+        self.d_model = d_model
+        self.n_head = n_head
+        self.head_dim = d_model // n_head
+        self.dropout = float(dropout)
+
+        self.ln1 = nn.LayerNorm(d_model, bias=bias)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.attn_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.attn_drop = nn.Dropout(dropout)
+
+        self.ln2 = nn.LayerNorm(d_model, bias=bias)
+        self.fc_in = nn.Linear(d_model, 4 * d_model, bias=bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc_out = nn.Linear(4 * d_model, d_model, bias=bias)
+        self.mlp_drop = nn.Dropout(dropout)
+
+        # Projections that write into the residual stream get a depth-scaled init
+        # (see GPT._init_weights); mark them so the parent model can find them.
+        self.attn_proj.is_residual_proj = True
+        self.fc_out.is_residual_proj = True
+
+    def attention(self, x: Tensor) -> Tensor:
+        """Causal self-attention: ``(B, T, d) -> (B, T, d)``."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(self.d_model, dim=2)
+        # (B, T, d) -> (B, H, T, head_dim)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.attn_drop(self.attn_proj(y))
+
+    def mlp(self, x: Tensor) -> Tensor:
+        """Position-wise feed-forward network: ``(B, T, d) -> (B, T, d)``."""
+        return self.mlp_drop(self.fc_out(self.act(self.fc_in(x))))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the block.
+
+        Args:
+            x: floating-point tensor of shape ``(B, T, d)``.
+
+        Returns:
+            Tensor of the same shape and dtype as ``x``.
+        """
+        x = x + self.attention(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model.
+
+    ``idx (B, T) int64 -> tok_emb + pos_emb -> drop -> blocks -> ln_f -> lm_head``
+    producing logits of shape ``(B, T, V)``.
+
+    Args:
+        vocab_size: number of token ids ``V`` (256 for raw bytes).
+        block_size: maximum sequence length (size of the positional table).
+        n_layer: number of :class:`Block` modules, kept in ``self.blocks``.
+        n_head: attention heads per block.
+        d_model: residual stream width ``d``.
+        dropout: dropout probability (embedding, attention, residual).
+        bias: whether Linear/LayerNorm layers in the blocks and ``ln_f`` carry biases.
+        tie_weights: share one Parameter between ``tok_emb.weight`` and
+            ``lm_head.weight``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        d_model: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        tie_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.n_layer = n_layer
+
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(block_size, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            [Block(d_model, n_head, dropout=dropout, bias=bias) for _ in range(n_layer)]
+        )
+        self.ln_f = nn.LayerNorm(d_model, bias=bias)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+
+        self.apply(self._init_weights)
+        if tie_weights:
+            # Done after init so both names refer to the (embedding-initialised) Parameter.
+            self.lm_head.weight = self.tok_emb.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Deterministic (given the torch seed) GPT-2 style initialisation."""
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "is_residual_proj", False):
+                std = 0.02 / math.sqrt(2 * self.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            if module.weight is not None:
+                nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Compute next-token logits.
+
+        Args:
+            idx: int64 token ids of shape ``(B, T)`` with ``T <= block_size``.
+
+        Returns:
+            Logits of shape ``(B, T, vocab_size)`` (dtype of the parameters or autocast).
+        """
+        B, T = idx.shape
+        if T > self.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class _LinearWarmup:
+    """LR multiplier ramping linearly from ``1/steps`` to 1 over ``steps`` steps.
+
+    A small class rather than a lambda so that it pickles and its state is saved
+    by ``LambdaLR.state_dict()``.
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.steps = int(steps)
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.steps)
+
+
+class GPTLightningModule(LightningModule):
+    """LightningModule training :class:`GPT` with next-token cross-entropy.
+
+    Batches are ``(x, y)`` pairs of int64 tensors of shape ``(B, T)`` where ``y`` is
+    ``x`` shifted left by one token (see :class:`examples.data.TextDataModule`).
+
+    Model args are those of :class:`GPT`; optimiser args:
+
+    Args:
+        lr: peak AdamW learning rate.
+        weight_decay: decoupled weight decay applied to parameters with
+            ``ndim >= 2`` (matrices and embeddings); biases and norms get 0.
+        betas: AdamW betas; a list (e.g. from YAML) is converted to a tuple.
+        warmup_lr_steps: if > 0, the LR is ramped linearly over that many
+            optimiser steps by a per-step ``LambdaLR``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        d_model: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        tie_weights: bool = False,
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        betas: Sequence[float] = (0.9, 0.95),
+        warmup_lr_steps: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.betas = tuple(float(b) for b in betas)
+        if len(self.betas) != 2:
+            raise ValueError(f"betas must have two entries, got {betas!r}")
+        self.warmup_lr_steps = int(warmup_lr_steps)
+        self.model = GPT(
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            d_model=d_model,
+            dropout=dropout,
+            bias=bias,
+            tie_weights=tie_weights,
+        )
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """``(B, T)`` int64 -> ``(B, T, V)`` logits."""
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        logits = self.model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Return the scalar mean cross-entropy loss and log it as ``train_loss``."""
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Log the mean cross-entropy as ``val_loss`` (averaged across ranks)."""
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        """AdamW with decay on ``ndim >= 2`` parameters, optional linear LR warmup."""
+        decay, no_decay = [], []
+        for _, p in self.named_parameters():  # tied weights appear once
+            if not p.requires_grad:
+                continue
+            (decay if p.ndim >= 2 else no_decay).append(p)
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        if self.warmup_lr_steps > 0:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, _LinearWarmup(self.warmup_lr_steps))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return opt
