@@ -35,6 +35,7 @@ from .signature import CallSignature, GraphSignatureError
 class GraphStats:
     """Counters for monitoring: graphs captured, replays, eager fallbacks, capture time (seconds)."""
 
+    backend: str = ""
     captured_runners: int = 0
     forward_replays: int = 0
     eager_calls: int = 0
@@ -87,7 +88,7 @@ class GraphManager:
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self.backend = make_backend(options.backend, device) if options.enabled else None
         self.pool = None
-        self.stats = GraphStats()
+        self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
         self.layers: List[_Layer] = []
         for name, module in select_layers(model, options.layers):
             layer = _Layer(name, module, module.forward)

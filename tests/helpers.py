@@ -1,0 +1,98 @@
+"""Shared test helpers: train the example GPT under a strategy and collect what the tests compare."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+import cg_lightning
+from examples.data import TextDataModule
+from examples.gpt import GPTLightningModule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_parity.py")
+
+
+class GradRecorder(Callback):
+    """Records losses every step and every parameter's gradient (``.grad``) at chosen global steps."""
+
+    def __init__(self, at_steps=()) -> None:
+        self.losses: List[float] = []
+        self.at_steps = set(at_steps)
+        self.grads: Dict[int, Dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"].detach()))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step in self.at_steps:
+            self.grads[trainer.global_step] = {
+                n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
+            }
+
+
+def train_in_process(strategy, steps: int = 20, seed: int = 7, at_steps=(), precision="32-true",
+                     accelerator="cpu", model_kwargs=None, data_kwargs=None, accumulate=1):
+    """One-process fit of a tiny GPT; returns (model, recorder, trainer)."""
+    seed_everything(seed, workers=True)
+    mk = dict(n_layer=2, d_model=64, n_head=4, block_size=32, lr=3e-3)
+    mk.update(model_kwargs or {})
+    dk = dict(block_size=mk["block_size"], batch_size=4, max_bytes=300_000)
+    dk.update(data_kwargs or {})
+    model = GPTLightningModule(**mk)
+    data = TextDataModule(**dk)
+    rec = GradRecorder(at_steps)
+    trainer = Trainer(
+        accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=steps,
+        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[rec],
+    )
+    trainer.fit(model, datamodule=data)
+    return model, rec, trainer
+
+
+_DIST_VARS = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE",
+              "GROUP_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_subprocess(out: str, *args: str, timeout: float = 240) -> dict:
+    """Run tests/scripts/train_parity.py (which may launch several processes); return its saved dict."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env.update(PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--out", out, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"training script failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return torch.load(out)
+
+
+def max_rel_diff(a, b) -> float:
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    return float(((a - b).abs() / b.abs().clamp_min(1e-12)).max())
+
+
+def state_rel_diff(sa: Dict[str, torch.Tensor], sb: Dict[str, torch.Tensor]) -> float:
+    """max over tensors of ||a-b|| / ||b||."""
+    assert sa.keys() == sb.keys()
+    worst = 0.0
+    for k in sa:
+        a, b = sa[k].double(), sb[k].double()
+        worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
+    return worst
