@@ -18,8 +18,6 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .state import eager_backend_replay
-
 Body = Callable[[], List[Optional[torch.Tensor]]]
 
 
@@ -42,8 +40,7 @@ class _EagerGraph(CapturedGraph):
         self.outputs = outputs
 
     def replay(self) -> None:
-        with eager_backend_replay():
-            new = self._body()
+        new = self._body()
         with torch.no_grad():
             for static, fresh in zip(self.outputs, new):
                 if static is not None and fresh is not None:

@@ -42,11 +42,34 @@ def _set_rng_states(states: Tuple[torch.Tensor, List[torch.Tensor]]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+_ANCHORS: dict = {}
+
+
+def recompute_anchor(device: torch.device) -> torch.Tensor:
+    """The leaf every :class:`CheckpointWithoutOutput` region on ``device`` takes as an extra input.
+
+    It requires grad, so the region's backward (the nested recomputation backward) is always part of the
+    autograd graph, even when no argument requires grad. A captured ``torch.autograd.grad`` only runs
+    nodes on a path to its targets, so the graph runner adds this anchor to them.
+    """
+    key = str(device)
+    anchor = _ANCHORS.get(key)
+    if anchor is None:
+        anchor = _ANCHORS[key] = torch.zeros((), device=device, requires_grad=True)
+    return anchor
+
+
+def anchors() -> list:
+    """Every anchor created so far (one per device)."""
+    return list(_ANCHORS.values())
+
+
+
 class _NoOutputCheckpointFunction(torch.autograd.Function):
     """Forward without autograd; backward runs a nested backward through the recomputed outputs."""
 
     @staticmethod
-    def forward(ctx, run_function, owner, *args):
+    def forward(ctx, run_function, owner, _always_grad, *args):
         with torch.no_grad():
             outputs = run_function(*args)
         tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -73,7 +96,7 @@ class _NoOutputCheckpointFunction(torch.autograd.Function):
         for i, detached in zip(ctx.tensor_idx, ctx.detached_inputs):
             grads[i] = detached.grad if detached.requires_grad else None
         ctx.detached_inputs = None
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 
 
 class CheckpointWithoutOutput:
@@ -114,7 +137,10 @@ class CheckpointWithoutOutput:
         self._bypassed = False
         self._run_function = fn
         self._rng = _rng_states()
-        outputs = _NoOutputCheckpointFunction.apply(fn, self, *args)
+        # The extra input requiring grad keeps the backward reachable even when no argument requires grad
+        # (parameters used inside ``fn`` still need their nested backward).
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        outputs = _NoOutputCheckpointFunction.apply(fn, self, recompute_anchor(device), *args)
         self._outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         return outputs
 

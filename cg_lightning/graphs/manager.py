@@ -118,7 +118,7 @@ class GraphManager:
         return (
             self.backend is not None
             and not self.captured
-            and self._global_step >= self.options.warmup_steps
+            and self._global_step >= max(1, self.options.warmup_steps)
         )
 
     def remove(self) -> None:

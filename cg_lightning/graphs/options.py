@@ -18,8 +18,9 @@ class GraphOptions:
         layers: glob patterns over qualified module names (``"model.blocks.*"``); a module matches if its
             name matches any pattern and none of its ancestors matched. ``None`` picks the entries of the
             largest ``nn.ModuleList`` whose entries share one class.
-        warmup_steps: eager training steps (optimizer steps) before graphs are captured, >= 1: the last
-            eager step records which layers run, in which order and with which arguments.
+        warmup_steps: eager training steps (optimizer steps) before graphs are captured. The last eager
+            step records which layers run, in which order and with which arguments, so at least one is
+            always taken: 0 and 1 both capture at the start of step 1.
         num_warmup_iters: eager forward+backward passes per layer inside capture, >= 1; they discover the
             parameters hidden behind activation recomputation (Megatron-LM PR #6373).
         backend: ``"cuda"`` (``torch.cuda.CUDAGraph``), ``"eager"`` (same static buffers and bookkeeping,
@@ -43,11 +44,8 @@ class GraphOptions:
             raise ValueError(f"graphs.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.shape_policy not in SHAPE_POLICIES:
             raise ValueError(f"graphs.shape_policy must be one of {SHAPE_POLICIES}, got {self.shape_policy!r}")
-        if self.warmup_steps < 1:
-            raise ValueError(
-                f"graphs.warmup_steps must be >= 1 (the last eager step records the layers to capture), "
-                f"got {self.warmup_steps}"
-            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"graphs.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.num_warmup_iters < 1:
             raise ValueError(
                 f"graphs.num_warmup_iters must be >= 1 (parameter discovery needs one warmup), "

@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Sequence, Set
 
 import torch
 
-from .checkpointing import bypass_reentrant_checkpoint
+from .checkpointing import anchors, bypass_reentrant_checkpoint
 from .discovery import owned_parameters, params_to_backprop, reachable_leaves
 from .signature import CallSignature
 from .state import graph_capture, graph_warmup, recording_grad_ready
@@ -108,6 +108,7 @@ class LayerGraphRunner:
         self.static_grad_outputs: List[Optional[torch.Tensor]] = []
         self.replays = 0
         self._recording: Optional[list] = None
+        self._anchors: List[torch.Tensor] = []
         self._foreign_params: List[torch.nn.Parameter] = []
         self.recorded_occurrences: List[torch.nn.Parameter] = []
 
@@ -150,14 +151,15 @@ class LayerGraphRunner:
         """Capture the forward into the shared pool; fixes ``params_to_backprop``."""
 
         def body():
-            outs, spec = self._run_module(self.static_inputs)
+            # The eager backend re-runs this body at every replay: same context as the capture.
+            with graph_capture(), bypass_reentrant_checkpoint():
+                outs, spec = self._run_module(self.static_inputs)
             self._autograd_outputs = outs
             self._out_spec = spec
             return list(outs)
 
         try:
-            with graph_capture(), bypass_reentrant_checkpoint():
-                self._fwd = self.backend.capture(body, self.pool)
+            self._fwd = self.backend.capture(body, self.pool)
         except GraphCaptureError:
             raise
         except Exception as exc:  # host syncs, CPU tensors, data-dependent control flow ...
@@ -167,6 +169,7 @@ class LayerGraphRunner:
         self._visible = reachable_leaves(outs)
         self.params_to_backprop = params_to_backprop(self.owned, self._visible, self._warmup_reachable)
         self.hidden_params = [p for p in self.params_to_backprop if id(p) not in self._visible]
+        self._anchors = [a for a in anchors() if id(a) in self._visible]
         self.clone_slots = [
             self.clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False)
             for p in self.params_to_backprop
@@ -174,6 +177,10 @@ class LayerGraphRunner:
         self.static_grad_outputs = [torch.zeros_like(o) if g else None for o, g in zip(outs, self.output_requires_grad)]
 
     def _backward_body(self) -> List[Optional[torch.Tensor]]:
+        with graph_capture():
+            return self._backward_body_inner()
+
+    def _backward_body_inner(self) -> List[Optional[torch.Tensor]]:
         outs = self._autograd_outputs
         self._autograd_outputs = None
         params = self.params_to_backprop
@@ -183,13 +190,15 @@ class LayerGraphRunner:
         diff = [(o, g) for o, g in zip(outs, self.static_grad_outputs) if g is not None]
         targets = self._grad_targets(params, self.static_inputs)
         grads: List[Optional[torch.Tensor]] = [None] * len(targets)
-        if diff and targets:
+        if diff and (targets or self._anchors):
+            # The recomputation anchors make autograd.grad run every CheckpointWithoutOutput region's
+            # backward, even one on no path to the inputs or owned parameters; their grads are dropped.
             with torch.enable_grad():
                 grads = list(
                     torch.autograd.grad(
-                        [o for o, _ in diff], targets, [g for _, g in diff], allow_unused=True
+                        [o for o, _ in diff], targets + self._anchors, [g for _, g in diff], allow_unused=True
                     )
-                )
+                )[: len(targets)]
         n_in = len(targets) - len(params)
         input_grads, wgrads = grads[:n_in], grads[n_in:]
         param_slots: List[Optional[torch.Tensor]] = []

@@ -27,7 +27,6 @@ GradReadyOccurrence = Tuple[torch.nn.Parameter, Callable[[], None]]
 class _GraphPhase:
     warmup: bool = False
     capturing: bool = False
-    eager_replay: bool = False
     recorder: Optional[List[GradReadyOccurrence]] = None
 
 
@@ -48,10 +47,10 @@ def is_graph_warmup() -> bool:
 def grad_ready_deferred() -> bool:
     """True when DDP hooks must neither add ``param.grad`` into ``main_grad`` nor count it ready.
 
-    That is the case while graphs are built and while the eager backend re-runs a captured backward:
+    That is the case while graphs are built, which includes the eager backend re-running a captured body:
     the graph code itself moves the gradients into ``main_grad`` and replays the notifications.
     """
-    return _phase.capturing or _phase.warmup or _phase.eager_replay
+    return _phase.capturing or _phase.warmup
 
 
 def record_grad_ready(param: torch.nn.Parameter, notify: Callable[[], None]) -> None:
@@ -86,11 +85,6 @@ def graph_warmup() -> contextlib.AbstractContextManager:
 def graph_capture() -> contextlib.AbstractContextManager:
     """Context of a forward or backward capture: :func:`is_graph_capturing` is true."""
     return _set(capturing=True)
-
-
-def eager_backend_replay() -> contextlib.AbstractContextManager:
-    """Context of an eager-backend replay: hooks are deferred, nothing is recorded."""
-    return _set(eager_replay=True)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,274 @@
+"""Engine-level tests (no Lightning): graphed layers + DataParallelEngine against eager PyTorch.
+
+Every case trains the same model with the same data twice: eagerly without recomputation (plain
+``param.grad``), and with per-layer graphs + the DDP engine (``main_grad``); gradients must agree within
+1e-6 at every step. The backend is ``eager`` on CPU and ``cuda`` on a GPU (``cuda`` marker).
+"""
+
+import pytest
+import torch
+
+from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
+from cg_lightning.graphs import GraphManager, GraphOptions
+from tests import engine_models as em
+
+BACKENDS = [
+    pytest.param("eager", "cpu", id="eager-cpu"),
+    pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
+]
+LR = 0.05
+
+
+def _data(steps, d, device):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(8, d, generator=g).to(device) for _ in range(steps)]
+
+
+def eager_reference(layer_cls, steps=4, d=16, n=2, device="cpu"):
+    torch.manual_seed(0)
+    model = em.Stack(layer_cls, d, n, recompute=False).to(device)
+    grads = []
+    for x in _data(steps, d, device):
+        model.zero_grad(set_to_none=True)
+        model(x).backward()
+        grads.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return grads, model
+
+
+def graphed_run(layer_cls, backend, device, steps=4, d=16, n=2, warmup_steps=1, recompute=True, **opts):
+    torch.manual_seed(0)
+    model = em.Stack(layer_cls, d, n, recompute=recompute).to(device)
+    engine = DataParallelEngine(model, DDPOptions())
+    manager = GraphManager(
+        model, GraphOptions(warmup_steps=warmup_steps, backend=backend, layers=["layers.*"], **opts),
+        torch.device(device),
+    )
+    grads, counts = [], []
+    for step, x in enumerate(_data(steps, d, device)):
+        manager.begin_step(step)
+        engine(x).backward()
+        manager.end_step()
+        counts.append({engine.names[p]: c for b in engine.buckets for p, c in b.counts.items()})
+        engine.finish_grad_sync()
+        grads.append({k: p.main_grad.detach().clone() for k, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.main_grad
+        engine.zero_grad_buffer()
+    return grads, counts, manager, engine, model
+
+
+def _assert_grads_equal(got, ref, tol=1e-6):
+    assert len(got) == len(ref)
+    for step, (g, r) in enumerate(zip(got, ref)):
+        assert g.keys() == r.keys()
+        for name in r:
+            torch.testing.assert_close(g[name], r[name], rtol=tol, atol=tol, msg=f"step {step}: {name}")
+
+
+LAYERS = [em.SeedLayer, em.InsideOutsideLayer, em.RepeatedNestedLayer, em.TorchReentrantLayer,
+          em.CgCheckpointLayer, em.TorchNonReentrantLayer]
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("layer_cls", LAYERS, ids=lambda c: c.__name__)
+def test_graphed_main_grad_equals_eager(layer_cls, backend, device):
+    ref, _ = eager_reference(layer_cls, device=device)
+    got, _, manager, _, _ = graphed_run(layer_cls, backend, device)
+    assert manager.stats.captured_runners == 2
+    assert manager.stats.forward_replays == 2 * 3  # steps 1..3 replay both layers
+    _assert_grads_equal(got, ref)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_hidden_parameter_is_discovered_and_ordered(backend, device):
+    _, _, manager, _, model = graphed_run(em.SeedLayer, backend, device, steps=2)
+    for (key, index), runner in manager.runners.items():
+        layer = runner.module
+        assert [id(p) for p in runner.params_to_backprop] == [id(p) for p in layer.parameters()]
+        assert {id(p) for p in runner.hidden_params} == {id(layer.checkpointed.weight), id(layer.checkpointed.bias)}
+
+
+def test_warmup_steps_zero_still_discovers_hidden_parameter():
+    ref, _ = eager_reference(em.SeedLayer)
+    got, _, manager, _, _ = graphed_run(em.SeedLayer, "eager", "cpu", warmup_steps=0)
+    runner = next(iter(manager.runners.values()))
+    assert runner.hidden_params
+    _assert_grads_equal(got, ref)
+
+
+def test_inside_outside_weight_counts_twice_and_sums_once():
+    """A weight used inside and outside the recomputation: main_grad is the eager sum of both uses, and it
+    reports ready twice per step (outer backward + nested backward), eager and replayed alike."""
+    ref, _ = eager_reference(em.InsideOutsideLayer)
+    got, counts, _, _, _ = graphed_run(em.InsideOutsideLayer, "eager", "cpu")
+    _assert_grads_equal(got, ref)
+    for step_counts in counts:
+        assert step_counts["layers.0.shared.weight"] == 2
+
+
+def test_repeated_occurrences_recorded_in_order_and_replayed():
+    """Nested backwards finalize [a, b, a]: capture records that list; each replay reports a twice, b once."""
+    _, counts, manager, _, model = graphed_run(em.RepeatedNestedLayer, "eager", "cpu")
+    layer = model.layers[1]
+    runner = next(r for r in manager.runners.values() if r.module is layer)
+    assert [id(p) for p in runner.recorded_occurrences] == [id(layer.a.weight), id(layer.b.weight), id(layer.a.weight)]
+    assert len(runner.replay_plan) == 1  # a and b report once each through their edges
+    for step_counts in counts:  # step 0 eager, steps 1.. replayed
+        assert step_counts["layers.1.a.weight"] == 2
+        assert step_counts["layers.1.b.weight"] == 1
+
+
+def test_positional_layout_stable_across_captures():
+    _, _, m1, _, _ = graphed_run(em.SeedLayer, "eager", "cpu", steps=2)
+    _, _, m2, _, _ = graphed_run(em.SeedLayer, "eager", "cpu", steps=2)
+    names1 = [[n for n, _ in r.module.named_parameters() for p in r.params_to_backprop if p is _] for r in m1.runners.values()]
+    names2 = [[n for n, _ in r.module.named_parameters() for p in r.params_to_backprop if p is _] for r in m2.runners.values()]
+    assert names1 == names2 and names1[0] == ["checkpointed.weight", "checkpointed.bias", "projection.weight", "projection.bias"]
+
+
+def test_foreign_parameter_not_added_to_layer_inputs():
+    """A recomputation that closes over another module's parameter: not in this layer's inputs, and its
+    gradient still reaches main_grad exactly (eager parity) with the right ready count."""
+
+    class Foreign(torch.nn.Module):
+        def __init__(self, d, recompute=True, shared=None):
+            super().__init__()
+            self.own = torch.nn.Linear(d, d)
+            self.recompute = recompute
+            self.shared = [shared]  # not registered: owned by the parent
+
+        def _inner(self, x):
+            return torch.tanh(self.shared[0](x))
+
+        def forward(self, x):
+            if not self.recompute:
+                return self.own(self._inner(x))
+            ckpt = em.CheckpointWithoutOutput()
+            h = ckpt.checkpoint(self._inner, x)
+            out = self.own(h)
+            ckpt.discard_output_and_register_recompute(out)
+            return out
+
+    class Model(torch.nn.Module):
+        def __init__(self, recompute=True):
+            super().__init__()
+            self.shared = torch.nn.Linear(16, 16)
+            self.layers = torch.nn.ModuleList([Foreign(16, recompute, self.shared)])
+
+        def forward(self, x):
+            return self.layers[0](x).pow(2).mean()
+
+    def run(graphed):
+        torch.manual_seed(0)
+        model = Model(recompute=graphed)
+        engine = DataParallelEngine(model, DDPOptions())
+        manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager"), torch.device("cpu")) if graphed else None
+        out = []
+        for step, x in enumerate(_data(3, 16, "cpu")):
+            if manager:
+                manager.begin_step(step)
+            engine(x).backward()
+            engine.finish_grad_sync()
+            out.append({k: p.main_grad.clone() for k, p in model.named_parameters()})
+            engine.zero_grad_buffer()
+        return out, manager, model
+
+    ref, _, _ = run(False)
+    got, manager, model = run(True)
+    runner = next(iter(manager.runners.values()))
+    assert all(p is not model.shared.weight and p is not model.shared.bias for p in runner.params_to_backprop)
+    _assert_grads_equal(got, ref)
+
+
+def test_missing_gradient_is_a_named_error():
+    torch.manual_seed(0)
+    model = em.Stack(em.SeedLayer, 16, 2, recompute=False)
+    engine = DataParallelEngine(model, DDPOptions())
+    x = torch.randn(4, 16)
+    engine(x).backward()
+    engine.finish_grad_sync()
+    engine.zero_grad_buffer()
+    # next iteration: skip the last layer, its parameters never report ready
+    h = model.inp(x)
+    h = model.layers[0](h)
+    model.head(h).pow(2).mean().backward()
+    with pytest.raises(GradSyncError, match=r"layers\.1\.projection\.weight \(ready 0 times, expected 1\)"):
+        engine.finish_grad_sync()
+
+
+def test_grad_added_to_main_grad_skips_add_and_reports_ready():
+    lin = torch.nn.Linear(4, 4)
+    engine = DataParallelEngine(lin, DDPOptions())
+    lin(torch.randn(2, 4)).sum().backward()
+    engine.finish_grad_sync()
+    first = lin.weight.main_grad.clone()
+    engine.zero_grad_buffer()
+    lin.weight.grad_added_to_main_grad = True
+    lin.weight.main_grad.fill_(7.0)
+    lin(torch.randn(2, 4)).sum().backward()
+    assert lin.weight.grad is None and lin.weight.grad_added_to_main_grad is False
+    assert torch.all(lin.weight.main_grad == 7.0)
+    assert engine.bucket_of[lin.weight].counts[lin.weight] == 1
+    engine.finish_grad_sync()
+    assert not torch.equal(first, lin.weight.main_grad)
+
+
+def test_no_sync_accumulates_without_counting():
+    lin = torch.nn.Linear(4, 4)
+    engine = DataParallelEngine(lin, DDPOptions())
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    with engine.no_sync():
+        lin(xs[0]).sum().backward()
+        lin(xs[1]).sum().backward()
+    assert engine.bucket_of[lin.weight].counts[lin.weight] == 0
+    lin(xs[2]).sum().backward()
+    engine.finish_grad_sync()
+    ref = torch.nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+    for x in xs:
+        ref(x).sum().backward()
+    torch.testing.assert_close(lin.weight.main_grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_main_grad_is_a_view_of_one_contiguous_buffer():
+    model = em.Stack(em.SeedLayer, 8, 2, recompute=False)
+    engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=0.0005))
+    assert len(engine.buffers_) == 1
+    buf = engine.buffers_[0].data
+    total = 0
+    for p in model.parameters():
+        assert p.main_grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        total += p.numel()
+    assert buf.numel() == total
+    assert len(engine.buckets) > 1
+    # the last parameter sits at the start of the buffer (reverse layout: buckets fill in backward order)
+    last = list(model.parameters())[-1]
+    assert last.main_grad.data_ptr() == buf.data_ptr()
+
+
+def test_shape_policy_eager_and_error():
+    torch.manual_seed(0)
+    model = em.Stack(em.SeedLayer, 16, 1, recompute=True)
+    engine = DataParallelEngine(model, DDPOptions())
+    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager"), torch.device("cpu"))
+    for step in range(2):
+        manager.begin_step(step)
+        engine(torch.randn(8, 16)).backward()
+        engine.finish_grad_sync()
+        engine.zero_grad_buffer()
+    manager.begin_step(2)
+    with pytest.warns(UserWarning, match=r"layers\.0.*args\[0\]: captured Tensor\[8, 16\].*got Tensor\[5, 16\]"):
+        engine(torch.randn(5, 16)).backward()
+    assert manager.stats.fallback_calls == 1
+    engine.finish_grad_sync()
+    engine.zero_grad_buffer()
+    manager.options.shape_policy = "error"
+    manager.begin_step(3)
+    from cg_lightning import GraphSignatureError
+
+    with pytest.raises(GraphSignatureError, match=r"args\[0\]: captured Tensor\[8, 16\] float32 on cpu, requires_grad, got Tensor\[3, 16\]"):
+        engine(torch.randn(3, 16))
