@@ -31,8 +31,10 @@ from .state import is_graph_capturing, is_graph_warmup
 
 
 def _rng_states() -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    return torch.get_rng_state(), cuda
+    """CPU and CUDA RNG states; CUDA's only outside capture (reading it there breaks the capture, and a
+    captured region draws from the graph-safe generator, whose offsets advance on every replay)."""
+    cuda_ok = torch.cuda.is_available() and torch.cuda.is_initialized() and not is_graph_capturing()
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda_ok else [])
 
 
 def _set_rng_states(states: Tuple[torch.Tensor, List[torch.Tensor]]) -> None:

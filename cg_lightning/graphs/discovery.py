@@ -9,7 +9,7 @@ replay share one positional layout (Megatron-LM PR #6373).
 
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence, Set
+from typing import Dict, Iterable, List, Sequence, Set
 
 import torch
 
@@ -17,7 +17,9 @@ import torch
 def reachable_leaves(outputs: Iterable[torch.Tensor]) -> Set[int]:
     """``id`` of every leaf tensor whose ``AccumulateGrad`` node is reachable from ``outputs``."""
     found: Set[int] = set()
-    seen: Set[int] = set()
+    # Python wrappers of autograd nodes are created on access and may die, and a dead wrapper's id can
+    # be reused by another node: keep every visited wrapper alive so ``id`` stays a valid identity.
+    seen: Dict[int, object] = {}
     stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     leaves = [o for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is None and o.requires_grad]
     found.update(id(o) for o in leaves)
@@ -25,7 +27,7 @@ def reachable_leaves(outputs: Iterable[torch.Tensor]) -> Set[int]:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             found.add(id(variable))

@@ -253,7 +253,7 @@ def _uncached_autocast():
 
 
 @contextlib.contextmanager
-def _preserved_training_state(model: nn.Module, layers: List[nn.Module]):
+def _preserved_training_state(model: nn.Module, layers: List[nn.Module], restore_grads: bool = True):
     """Restore ``main_grad``, ``param.grad``, layer buffers and RNG states after warmup and capture."""
     params = list(model.parameters())
     main_grads = [p.main_grad.clone() if hasattr(p, "main_grad") else None for p in params]
@@ -271,7 +271,8 @@ def _preserved_training_state(model: nn.Module, layers: List[nn.Module]):
             for p, mg, g in zip(params, main_grads, grads):
                 if mg is not None:
                     p.main_grad.copy_(mg)
-                p.grad = g
+                if restore_grads:
+                    p.grad = g
             for b, c in zip(buffers, buffer_copies):
                 b.copy_(c)
         torch.set_rng_state(cpu_rng)

@@ -1,0 +1,127 @@
+"""``make_graphed_callables``: a drop-in for ``torch.cuda.make_graphed_callables`` on this engine.
+
+Differences from the torch function (torch 2.11), all deliberate:
+
+* Returned parameter gradients are owned clones by default (``clone_param_grads_on_return=True``), so
+  gradient accumulation over several backward passes and gradients kept by hooks behave as in eager
+  code (pytorch/pytorch#181723, TransformerEngine PR #2937). Parameters marked
+  ``skip_backward_post_hook=True`` (delayed weight gradients) keep aliasing. The policy is frozen at
+  capture. ``False`` is faster (no copy) but gives up eager lifetime semantics: a gradient returned by
+  one replay is overwritten by the next.
+* Checkpoint-aware parameter discovery (parameters used only inside ``CheckpointWithoutOutput``),
+  reentrant checkpointing bypassed during capture, autocast's cast cache disabled during capture.
+* ``backend="eager"`` (or ``"auto"`` with CPU samples) runs the same bookkeeping without CUDA.
+* RNG states and module buffers are restored after warmup and capture.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from .backends import make_backend
+from .manager import _preserved_training_state, _uncached_autocast
+from .replay import ReplayFunction
+from .runner import LayerGraphRunner
+from .signature import CallSignature, GraphSignatureError
+
+
+def _graphed(runner: LayerGraphRunner, fallback: Callable, module: Optional[nn.Module], training: bool):
+    def call(*args, **kwargs):
+        if module is not None and module.training != training:
+            return fallback(*args, **kwargs)
+        if not runner.signature.matches(args, kwargs):
+            raise GraphSignatureError(
+                f"graphed callable {runner.name!r} called with arguments it was not captured for:\n  "
+                + "\n  ".join(runner.signature.mismatches(args, kwargs))
+            )
+        tensors = runner.signature.tensor_leaves(args, kwargs)
+        flat = ReplayFunction.apply(runner, *tensors, *runner.params_to_backprop)
+        return runner.output_structure(flat)
+
+    call.runner = runner
+    return call
+
+
+def make_graphed_callables(
+    callables: Union[Callable, Tuple[Callable, ...]],
+    sample_args: Union[tuple, Tuple[tuple, ...]],
+    *,
+    num_warmup_iters: int = 3,
+    clone_param_grads_on_return: bool = True,
+    pool=None,
+    sample_kwargs: Optional[Union[dict, Tuple[dict, ...]]] = None,
+    backend: str = "auto",
+):
+    """Capture callables' forward and backward into graphs; return graphed versions.
+
+    Same calling convention as ``torch.cuda.make_graphed_callables``: one callable and a tuple of sample
+    arguments, or a tuple of callables and a tuple of argument tuples (they share one memory pool and
+    must then be replayed in the order given, backwards in reverse). Modules are graphed in place
+    (their ``forward`` is replaced; in a training mode other than at capture they run eagerly) and
+    returned; functions are returned as new callables.
+
+    Args:
+        callables: ``nn.Module`` or function, or a tuple of them.
+        sample_args: tensors (shapes, dtypes, ``requires_grad`` as in real calls), or a tuple of tuples.
+        num_warmup_iters: eager warmup passes per callable before capture (>= 1).
+        clone_param_grads_on_return: return owned clones of parameter gradients (see module docstring).
+        pool: a memory pool handle to share with other graphs (CUDA backend).
+        sample_kwargs: keyword arguments (dict, or tuple of dicts) of the sample call.
+        backend: ``"auto"``, ``"cuda"`` or ``"eager"``.
+
+    Returns:
+        The graphed callable, or a tuple of them.
+
+    Raises:
+        GraphCaptureError: if a callable cannot be captured (message names it and the cause).
+        GraphSignatureError: at call time, if the arguments differ from the samples.
+        ValueError: on mismatched lengths of ``callables``/``sample_args``/``sample_kwargs``.
+    """
+    single = not isinstance(callables, tuple)
+    if single:
+        callables, sample_args = (callables,), (sample_args,)
+        sample_kwargs = (sample_kwargs or {},)
+    elif sample_kwargs is None:
+        sample_kwargs = tuple({} for _ in callables)
+    if not (len(callables) == len(sample_args) == len(sample_kwargs)):
+        raise ValueError("callables, sample_args and sample_kwargs must have the same length")
+    tensors = [t for args in sample_args for t in args if isinstance(t, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    engine_backend = make_backend(backend, device)
+    if pool is None:
+        pool = engine_backend.new_pool()
+    runners, modules = [], []
+    for i, (fn, args, kwargs) in enumerate(zip(callables, sample_args, sample_kwargs)):
+        module = fn if isinstance(fn, nn.Module) else nn.Module()
+        modules.append(fn if isinstance(fn, nn.Module) else None)
+        call = fn.forward if isinstance(fn, nn.Module) else fn
+        name = f"{type(fn).__name__}#{i}" if isinstance(fn, nn.Module) else getattr(fn, "__name__", f"callable#{i}")
+        args = tuple(args)
+        runners.append(
+            LayerGraphRunner(
+                name, module, call, CallSignature(args, kwargs), args, kwargs, engine_backend, pool,
+                accumulate_into_main_grad=False, clone_param_grads_on_return=clone_param_grads_on_return,
+                num_warmup_iters=num_warmup_iters,
+            )
+        )
+    owners = [m for m in modules if m is not None]
+    holder = nn.ModuleList(owners)
+    with _preserved_training_state(holder, owners, restore_grads=False), _uncached_autocast():
+        for r in runners:
+            r.warmup()
+        for r in runners:
+            r.capture_forward()
+        for r in reversed(runners):
+            r.capture_backward()
+    results = []
+    for fn, module, runner in zip(callables, modules, runners):
+        if module is not None:
+            graphed = _graphed(runner, module.forward, module, module.training)
+            module.forward = graphed
+            results.append(module)
+        else:
+            results.append(_graphed(runner, fn, None, True))
+    return results[0] if single else tuple(results)

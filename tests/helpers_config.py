@@ -1,0 +1,65 @@
+"""Small Lightning classes that tests/test_config.py builds by ``class_path``."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TinyRegressor(LightningModule):
+    """A two-layer MLP regressor."""
+
+    def __init__(self, in_features: int = 4, hidden: int = 8, lr: float = 0.1) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class TinyData(LightningDataModule):
+    """Random regression data (fixed generator seed)."""
+
+    def __init__(self, in_features: int = 4, n: int = 32, batch_size: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, in_features, generator=g)
+        self.dataset = TensorDataset(x, x.sum(dim=1, keepdim=True))
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(self.dataset, batch_size=self.batch_size)
+
+
+class RecordingCallback(Callback):
+    """Counts training batches; ``tag`` identifies the instance."""
+
+    def __init__(self, tag: str = "") -> None:
+        self.tag = tag
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+
+
+class NotACallback:
+    """Neither a callback nor a module; takes any keyword argument."""
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
