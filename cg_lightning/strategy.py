@@ -90,12 +90,13 @@ class CUDAGraphDDPStrategy(DDPStrategy):
                 "engine cannot tell when a backward ends. Use strategy='ddp' for this LightningModule, or "
                 "switch it to automatic optimization."
             )
-        engine = DataParallelEngine(model, self.ddp_options)
-        self.engine = engine
         if self.graph_options.enabled:
             self.graph_manager = GraphManager(
                 model, self.graph_options, self.root_device, accumulate_into_main_grad=True
             )
+        stream = getattr(self.graph_manager.backend, "stream", None) if self.graph_manager else None
+        engine = DataParallelEngine(model, self.ddp_options, grad_accumulator_stream=stream)
+        self.engine = engine
         return engine
 
     def _register_ddp_hooks(self) -> None:

@@ -41,11 +41,11 @@ def eager_reference(layer_cls, steps=4, d=16, n=2, device="cpu"):
 def graphed_run(layer_cls, backend, device, steps=4, d=16, n=2, warmup_steps=1, recompute=True, **opts):
     torch.manual_seed(0)
     model = em.Stack(layer_cls, d, n, recompute=recompute).to(device)
-    engine = DataParallelEngine(model, DDPOptions())
     manager = GraphManager(
         model, GraphOptions(warmup_steps=warmup_steps, backend=backend, layers=["layers.*"], **opts),
         torch.device(device),
     )
+    engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
     grads, counts = [], []
     for step, x in enumerate(_data(steps, d, device)):
         manager.begin_step(step)

@@ -47,6 +47,11 @@ class DataParallelEngine(nn.Module):
             ``param.main_grad`` (a view into a contiguous buffer per gradient dtype).
         options: :class:`DDPOptions`.
         process_group: the group to all-reduce over (default: the world, if initialized).
+        grad_accumulator_stream: CUDA stream on which the parameters' ``AccumulateGrad`` nodes are created
+            (autograd runs each node on the stream it was created on). Pass the graph capture stream: a
+            captured backward that feeds a node bound to the default stream fails with "operation would
+            make the legacy stream depend on a capturing blocking stream". Lightning builds torch DDP on
+            a side stream for the same reason.
 
     ``forward`` calls ``module``. Parameters and buffers are broadcast from rank 0 at construction.
 
@@ -54,7 +59,13 @@ class DataParallelEngine(nn.Module):
         GradSyncError: from :meth:`finish_grad_sync` (see the module docstring).
     """
 
-    def __init__(self, module: nn.Module, options: Optional[DDPOptions] = None, process_group=None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        options: Optional[DDPOptions] = None,
+        process_group=None,
+        grad_accumulator_stream: Optional["torch.cuda.Stream"] = None,
+    ) -> None:
         super().__init__()
         self.module = module
         self.options = options or DDPOptions()
@@ -81,11 +92,13 @@ class DataParallelEngine(nn.Module):
             self.buckets.extend(buf.buckets)
         self.bucket_of: Dict[nn.Parameter, Bucket] = {p: b for b in self.buckets for p in b.params}
         self._grad_accs = []
-        for p in self.params:
-            p.grad_added_to_main_grad = False
-            acc = p.view_as(p).grad_fn.next_functions[0][0]
-            acc.register_hook(self._make_hook(p))
-            self._grad_accs.append(acc)
+        stream_ctx = torch.cuda.stream(grad_accumulator_stream) if grad_accumulator_stream is not None else contextlib.nullcontext()
+        with stream_ctx:
+            for p in self.params:
+                p.grad_added_to_main_grad = False
+                acc = p.view_as(p).grad_fn.next_functions[0][0]
+                acc.register_hook(self._make_hook(p))
+                self._grad_accs.append(acc)
         self.sync_enabled = True
         self.golden_known = False
         self.iteration = 0
