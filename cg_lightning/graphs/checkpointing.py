@@ -44,27 +44,36 @@ def _set_rng_states(states: Tuple[torch.Tensor, List[torch.Tensor]]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-_ANCHORS: dict = {}
+_EAGER_ANCHORS: dict = {}
+_anchor_override: List[torch.Tensor] = []
 
 
 def recompute_anchor(device: torch.device) -> torch.Tensor:
-    """The leaf every :class:`CheckpointWithoutOutput` region on ``device`` takes as an extra input.
+    """The leaf a :class:`CheckpointWithoutOutput` region takes as an extra input.
 
     It requires grad, so the region's backward (the nested recomputation backward) is always part of the
     autograd graph, even when no argument requires grad. A captured ``torch.autograd.grad`` only runs
-    nodes on a path to its targets, so the graph runner adds this anchor to them.
+    nodes on a path to its targets, so a graph runner installs its own anchor (:func:`using_anchor`) and
+    adds it to them; being created on the capture stream, its ``AccumulateGrad`` node is bound to that
+    stream (autograd binds a node to the stream current at its creation).
     """
+    if _anchor_override:
+        return _anchor_override[-1]
     key = str(device)
-    anchor = _ANCHORS.get(key)
+    anchor = _EAGER_ANCHORS.get(key)
     if anchor is None:
-        anchor = _ANCHORS[key] = torch.zeros((), device=device, requires_grad=True)
+        anchor = _EAGER_ANCHORS[key] = torch.zeros((), device=device, requires_grad=True)
     return anchor
 
 
-def anchors() -> list:
-    """Every anchor created so far (one per device)."""
-    return list(_ANCHORS.values())
-
+@contextlib.contextmanager
+def using_anchor(anchor: torch.Tensor) -> Iterator[None]:
+    """Make :func:`recompute_anchor` return ``anchor`` inside this context."""
+    _anchor_override.append(anchor)
+    try:
+        yield
+    finally:
+        _anchor_override.pop()
 
 
 class _NoOutputCheckpointFunction(torch.autograd.Function):

@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Sequence, Set
 
 import torch
 
-from .checkpointing import anchors, bypass_reentrant_checkpoint
+from .checkpointing import bypass_reentrant_checkpoint, using_anchor
 from .discovery import owned_parameters, params_to_backprop, reachable_leaves
 from .signature import CallSignature
 from .state import graph_capture, graph_warmup, recording_grad_ready
@@ -109,6 +109,9 @@ class LayerGraphRunner:
         self.replays = 0
         self._recording: Optional[list] = None
         self._anchors: List[torch.Tensor] = []
+        self._anchor: Optional[torch.Tensor] = None
+        first = self.static_inputs[0] if self.static_inputs else next(iter(self.owned), None)
+        self._device = first.device if first is not None else torch.device("cpu")
         self._foreign_params: List[torch.nn.Parameter] = []
         self.recorded_occurrences: List[torch.nn.Parameter] = []
 
@@ -152,7 +155,9 @@ class LayerGraphRunner:
 
         def body():
             # The eager backend re-runs this body at every replay: same context as the capture.
-            with graph_capture(), bypass_reentrant_checkpoint():
+            if self._anchor is None:  # created inside the capture, on the capture stream
+                self._anchor = torch.empty((), device=self._device, requires_grad=True)
+            with graph_capture(), bypass_reentrant_checkpoint(), using_anchor(self._anchor):
                 outs, spec = self._run_module(self.static_inputs)
             self._autograd_outputs = outs
             self._out_spec = spec
@@ -169,7 +174,7 @@ class LayerGraphRunner:
         self._visible = reachable_leaves(outs)
         self.params_to_backprop = params_to_backprop(self.owned, self._visible, self._warmup_reachable)
         self.hidden_params = [p for p in self.params_to_backprop if id(p) not in self._visible]
-        self._anchors = [a for a in anchors() if id(a) in self._visible]
+        self._anchors = [self._anchor] if id(self._anchor) in self._visible else []
         self.clone_slots = [
             self.clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False)
             for p in self.params_to_backprop
