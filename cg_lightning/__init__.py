@@ -5,6 +5,8 @@
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
+from . import callbacks
+
 from .ddp import DataParallelEngine, DDPOptions, GradSyncError
 from .graphs import (
     CheckpointWithoutOutput,
@@ -15,6 +17,7 @@ from .graphs import (
     is_graph_capturing,
     is_graph_warmup,
 )
+from .graphs.callables import make_graphed_callables
 from .strategy import CUDAGraphDDPStrategy
 
 CUDAGraphDDPStrategy.register_strategies(_StrategyRegistry)
@@ -33,4 +36,5 @@ __all__ = [
     "checkpoint",
     "is_graph_capturing",
     "is_graph_warmup",
+    "make_graphed_callables",
 ]

@@ -80,3 +80,31 @@ def test_manual_optimization_refused():
                       enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
     with pytest.raises(ValueError, match="automatic optimization"):
         trainer.fit(Manual(), datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=50_000))
+
+
+def test_graph_monitor_metrics_reach_csv_logger(tmp_path):
+    import csv
+    import glob
+
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.loggers import CSVLogger
+
+    from cg_lightning.callbacks import GraphMonitor
+    from examples.data import TextDataModule
+    from examples.gpt import GPTLightningModule
+
+    seed_everything(3)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2}),
+        max_steps=12, logger=CSVLogger(tmp_path), callbacks=[GraphMonitor(log_every_n_steps=4)],
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(GPTLightningModule(n_layer=2, d_model=32, n_head=2, block_size=16),
+                datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=60_000))
+    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)[0])))
+    logged = [r for r in rows if r.get("graphs/captured")]
+    assert logged, rows[:3]
+    assert float(logged[-1]["graphs/captured"]) == 2.0
+    assert float(logged[-1]["graphs/replays_per_step"]) == 2.0
+    assert float(logged[-1]["graphs/capture_s"]) > 0

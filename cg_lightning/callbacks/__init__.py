@@ -1,0 +1,5 @@
+"""Lightning callbacks for graph training."""
+
+from .monitor import GraphMonitor
+
+__all__ = ["GraphMonitor"]

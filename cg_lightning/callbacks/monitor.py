@@ -1,0 +1,58 @@
+"""``GraphMonitor``: logs the graph engine's counters through Lightning's loggers."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from lightning.pytorch import Callback
+
+
+class GraphMonitor(Callback):
+    """Log per-layer-graph metrics every ``log_every_n_steps`` optimizer steps.
+
+    Metrics (all through ``pl_module.log``, so every configured Lightning logger receives them):
+    ``graphs/captured`` (number of captured layer calls), ``graphs/replays_per_step`` (forward replays
+    per training step since the last log), ``graphs/eager_fallbacks`` (calls that ran eagerly because
+    their arguments differed from the captured ones, cumulative), ``graphs/capture_s`` (seconds spent
+    warming up and capturing, cumulative) and ``graphs/step_time_ms`` (wall time per training step, host
+    clock, since the last log). The number of captured graphs is also shown in the progress bar.
+
+    Does nothing unless the strategy is ``cudagraph_ddp`` with graphs enabled.
+    """
+
+    def __init__(self, log_every_n_steps: int = 10, prog_bar: bool = True) -> None:
+        self.log_every_n_steps = max(1, log_every_n_steps)
+        self.prog_bar = prog_bar
+        self._last_replays = 0
+        self._last_batches = 0
+        self._batches = 0
+        self._t0: Optional[float] = None
+
+    @staticmethod
+    def _stats(trainer):
+        manager = getattr(trainer.strategy, "graph_manager", None)
+        return None if manager is None else manager.stats
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stats = self._stats(trainer)
+        if stats is None:
+            return
+        self._batches += 1
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
+            self._last_batches = self._batches
+            self._last_replays = stats.forward_replays
+            return
+        if trainer.global_step % self.log_every_n_steps != 0 or self._batches == self._last_batches:
+            return
+        batches = self._batches - self._last_batches
+        pl_module.log("graphs/captured", float(stats.captured_runners), prog_bar=self.prog_bar, on_step=True)
+        pl_module.log("graphs/replays_per_step", (stats.forward_replays - self._last_replays) / batches, on_step=True)
+        pl_module.log("graphs/eager_fallbacks", float(stats.fallback_calls), on_step=True)
+        pl_module.log("graphs/capture_s", float(stats.capture_seconds), on_step=True)
+        pl_module.log("graphs/step_time_ms", 1000.0 * (now - self._t0) / batches, on_step=True)
+        self._t0 = now
+        self._last_batches = self._batches
+        self._last_replays = stats.forward_replays
