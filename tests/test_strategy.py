@@ -108,3 +108,19 @@ def test_graph_monitor_metrics_reach_csv_logger(tmp_path):
     assert float(logged[-1]["graphs/captured"]) == 2.0
     assert float(logged[-1]["graphs/replays_per_step"]) == 2.0
     assert float(logged[-1]["graphs/capture_s"]) > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_process_checkpoint_hidden_parameter_parity(tmp_path):
+    """Megatron-LM PR #6373's model (a Linear used only inside CheckpointWithoutOutput), graphed, gloo with 2
+    processes, 10 steps: losses and weights equal Lightning "ddp" (which runs the same recomputation
+    eagerly), and no bucket is left waiting (the run ends, well inside its timeout)."""
+    common = ["--model", "seed", "--devices", "2", "--steps", "10", "--backend", "eager", "--warmup-steps", "1"]
+    ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp", *common, timeout=200)
+    cg = train_subprocess(str(tmp_path / "cg.pt"), "--strategy", "cudagraph_ddp", *common, timeout=200)
+    assert cg["stats"]["captured_runners"] == 2
+    assert cg["stats"]["forward_replays"] == 2 * 9
+    assert len(cg["losses"]) == len(ref["losses"]) == 10
+    assert max_rel_diff(cg["losses"], ref["losses"]) < 1e-5
+    assert state_rel_diff(cg["state"], ref["state"]) < 1e-5

@@ -17,7 +17,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
 
 import cg_lightning
 from examples.data import TextDataModule
@@ -30,6 +31,29 @@ class LossRecorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"].detach()))
+
+
+class SeedLightningModule(LightningModule):
+    """Two graphed SeedLayers (a Linear used only inside CheckpointWithoutOutput, one outside)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        from tests.engine_models import SeedLayer, Stack
+
+        self.net = Stack(SeedLayer, d, 2, recompute=True)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class SeedData(LightningDataModule):
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(5)
+        return DataLoader(TensorDataset(torch.randn(160, 16, generator=g)), batch_size=8, shuffle=False)
 
 
 def main(argv=None) -> None:
@@ -49,15 +73,20 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--tie-weights", action="store_true")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--model", default="gpt", choices=["gpt", "seed"],
+                    help="gpt: the example GPT on text; seed: Megatron-LM PR #6373's CheckpointWithoutOutput layer")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
     seed_everything(a.seed, workers=True)
-    model = GPTLightningModule(
-        n_layer=a.n_layer, d_model=a.d_model, n_head=a.n_head, block_size=a.block_size, lr=3e-3,
-        tie_weights=a.tie_weights,
-    )
-    data = TextDataModule(block_size=a.block_size, batch_size=a.batch_size, max_bytes=300_000)
+    if a.model == "gpt":
+        model = GPTLightningModule(
+            n_layer=a.n_layer, d_model=a.d_model, n_head=a.n_head, block_size=a.block_size, lr=3e-3,
+            tie_weights=a.tie_weights,
+        )
+        data = TextDataModule(block_size=a.block_size, batch_size=a.batch_size, max_bytes=300_000)
+    else:
+        model, data = SeedLightningModule(), SeedData()
     if a.strategy == "cudagraph_ddp":
         strategy = cg_lightning.CUDAGraphDDPStrategy(
             graphs={"warmup_steps": a.warmup_steps, "backend": a.backend}
