@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Generator, Optional, Union
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -104,13 +104,22 @@ class CUDAGraphDDPStrategy(DDPStrategy):
 
     # ----------------------------------------------------------------- training step
     def training_step(self, *args: Any, **kwargs: Any):
-        if self.graph_manager is not None:
-            self.graph_manager.begin_step(self.lightning_module.trainer.global_step)
-            try:
-                return super().training_step(*args, **kwargs)
-            finally:
-                self.graph_manager.end_step()
-        return super().training_step(*args, **kwargs)
+        manager = self.graph_manager
+        if manager is None:
+            return super().training_step(*args, **kwargs)
+        was_captured = manager.captured
+        manager.begin_step(self.lightning_module.trainer.global_step)
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            manager.end_step()
+            if manager.captured and not was_captured:
+                stats = manager.stats
+                rank_zero_info(
+                    f"cg_lightning: captured {stats.captured_runners} layer calls "
+                    f"({', '.join(layer.name for layer in manager.layers)}) with the {stats.backend} backend "
+                    f"in {stats.capture_seconds:.2f} s"
+                )
 
     @contextmanager
     def block_backward_sync(self) -> Generator:
