@@ -69,6 +69,19 @@ def _report(error: ConfigError) -> None:
         print(f"error: {line}", file=sys.stderr)
 
 
+def _check_graph_layers(cfg, model) -> None:
+    """Refuse, before training, graph layer patterns that match no module of the model."""
+    graphs = cfg.strategy.graphs
+    if cfg.strategy.name != "cudagraph_ddp" or not graphs.enabled:
+        return
+    from .graphs.selection import select_layers
+
+    try:
+        select_layers(model, graphs.layers)
+    except ValueError as exc:
+        raise ConfigError(f"strategy.graphs.layers: {exc}") from exc
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the process exit status."""
     parser = build_parser()
@@ -92,6 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         seed_everything(cfg.seed, workers=True)
         model = build_model(cfg)
+        _check_graph_layers(cfg, model)
         datamodule = build_datamodule(cfg)
         trainer = build_trainer(cfg)
     except ConfigError as error:

@@ -42,3 +42,14 @@ def test_cli_refuses_bad_config_before_training(tmp_path):
     )
     assert proc.returncode == 2
     assert "trainer.max_step" in proc.stderr and "max_steps" in proc.stderr and "bad.yaml" in proc.stderr
+
+
+def test_cli_refuses_graph_layers_that_match_nothing():
+    proc = subprocess.run(
+        [sys.executable, "-m", "cg_lightning", "fit", "--config", "configs/gpt_tiny.yaml",
+         "strategy.graphs.layers=[nonexistent.*]"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "strategy.graphs.layers" in proc.stderr and "matched no module" in proc.stderr
+    assert "model.blocks.0" in proc.stderr
