@@ -5,7 +5,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
-from . import callbacks
+from . import callbacks  # noqa: F401  (cg_lightning.callbacks)
 
 from .ddp import DataParallelEngine, DDPOptions, GradSyncError
 from .graphs import (

@@ -16,7 +16,6 @@ Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPU
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import asdict
 from typing import Any, Callable, Dict, Generator, Optional, Union
 
 import torch

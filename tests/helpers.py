@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-import cg_lightning
+import cg_lightning  # noqa: F401  (registers the strategy name)
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
 

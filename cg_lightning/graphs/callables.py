@@ -16,13 +16,13 @@ Differences from the torch function (torch 2.11), all deliberate:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from .backends import make_backend
-from .manager import _preserved_training_state, _uncached_autocast
+from .capture import capture_in_order
 from .replay import ReplayFunction
 from .runner import LayerGraphRunner
 from .signature import CallSignature, GraphSignatureError
@@ -109,13 +109,7 @@ def make_graphed_callables(
         )
     owners = [m for m in modules if m is not None]
     holder = nn.ModuleList(owners)
-    with _preserved_training_state(holder, owners, restore_grads=False), _uncached_autocast():
-        for r in runners:
-            r.warmup()
-        for r in runners:
-            r.capture_forward()
-        for r in reversed(runners):
-            r.capture_backward()
+    capture_in_order(runners, holder, owners, restore_grads=False)
     results = []
     for fn, module, runner in zip(callables, modules, runners):
         if module is not None:

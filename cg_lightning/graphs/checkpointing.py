@@ -22,7 +22,7 @@ Two utilities, both inert outside graph building except for their normal checkpo
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint

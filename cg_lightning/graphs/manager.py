@@ -15,15 +15,15 @@ Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of ever
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .backends import make_backend
+from .capture import capture_in_order
 from .options import GraphOptions
 from .replay import ReplayFunction
 from .runner import LayerGraphRunner
@@ -212,13 +212,7 @@ class GraphManager:
             )
             for r in self._records
         ]
-        with _preserved_training_state(self.model, [r.layer.module for r in self._records]), _uncached_autocast():
-            for runner in runners:
-                runner.warmup()
-            for runner in runners:
-                runner.capture_forward()
-            for runner in reversed(runners):
-                runner.capture_backward()
+        capture_in_order(runners, self.model, [r.layer.module for r in self._records])
         for r, runner in zip(self._records, runners):
             self.runners[(id(r.layer), r.index)] = runner
         self._records = []
@@ -231,50 +225,3 @@ def _detach_tree(tree):
     from torch.utils import _pytree as pytree
 
     return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
-
-
-@contextlib.contextmanager
-def _uncached_autocast():
-    """Keep the surrounding autocast (dtype, enabled) but with its weight-cast cache off.
-
-    A cached cast made before capture would be baked into the graph and never see updated weights;
-    capture must not depend on how a Lightning version configures the cache.
-    """
-    device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    stack = contextlib.ExitStack()
-    with stack:
-        for dt in device_types:
-            if torch.is_autocast_enabled(dt):
-                torch.clear_autocast_cache()
-                stack.enter_context(
-                    torch.autocast(dt, dtype=torch.get_autocast_dtype(dt), enabled=True, cache_enabled=False)
-                )
-        yield
-
-
-@contextlib.contextmanager
-def _preserved_training_state(model: nn.Module, layers: List[nn.Module], restore_grads: bool = True):
-    """Restore ``main_grad``, ``param.grad``, layer buffers and RNG states after warmup and capture."""
-    params = list(model.parameters())
-    main_grads = [p.main_grad.clone() if hasattr(p, "main_grad") else None for p in params]
-    grads = [p.grad for p in params]
-    buffers = []
-    for layer in layers:
-        buffers.extend(b for b in layer.buffers())
-    buffer_copies = [b.clone() for b in buffers]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, mg, g in zip(params, main_grads, grads):
-                if mg is not None:
-                    p.main_grad.copy_(mg)
-                if restore_grads:
-                    p.grad = g
-            for b, c in zip(buffers, buffer_copies):
-                b.copy_(c)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)

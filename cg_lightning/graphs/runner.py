@@ -113,6 +113,7 @@ class LayerGraphRunner:
         first = self.static_inputs[0] if self.static_inputs else next(iter(self.owned), None)
         self._device = first.device if first is not None else torch.device("cpu")
         self._foreign_params: List[torch.nn.Parameter] = []
+        self._main_grad_params: List[torch.nn.Parameter] = []
         self.recorded_occurrences: List[torch.nn.Parameter] = []
 
     # ----------------------------------------------------------------- building
@@ -175,6 +176,9 @@ class LayerGraphRunner:
         self.params_to_backprop = params_to_backprop(self.owned, self._visible, self._warmup_reachable)
         self.hidden_params = [p for p in self.params_to_backprop if id(p) not in self._visible]
         self._anchors = [self._anchor] if id(self._anchor) in self._visible else []
+        self._main_grad_params = [
+            p for p in self.params_to_backprop if self.accumulate_into_main_grad and hasattr(p, "main_grad")
+        ]
         self.clone_slots = [
             self.clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False)
             for p in self.params_to_backprop
@@ -207,11 +211,12 @@ class LayerGraphRunner:
         n_in = len(targets) - len(params)
         input_grads, wgrads = grads[:n_in], grads[n_in:]
         param_slots: List[Optional[torch.Tensor]] = []
+        into_main_grad = set(map(id, self._main_grad_params))
         for p, wgrad, old in zip(params, wgrads, stashed):
             nested = p.grad
             p.grad = old
             total = wgrad if nested is None else (nested if wgrad is None else wgrad + nested)
-            if self.accumulate_into_main_grad and hasattr(p, "main_grad"):
+            if id(p) in into_main_grad:
                 if total is not None:
                     p.main_grad.add_(total)
                 param_slots.append(None)
@@ -296,14 +301,11 @@ class LayerGraphRunner:
         it = iter(grads[:n_in])
         for t in self.static_inputs:
             input_grads.append(next(it) if t.requires_grad else None)
-        param_grads = []
-        for p, g, clone in zip(self.params_to_backprop, grads[n_in:], self.clone_slots):
-            if g is None:
-                if self.accumulate_into_main_grad and hasattr(p, "main_grad"):
-                    p.grad_added_to_main_grad = True
-                param_grads.append(None)
-            else:
-                param_grads.append(g.clone() if clone else g)
+        for p in self._main_grad_params:  # their gradients went into main_grad inside the graph
+            p.grad_added_to_main_grad = True
+        param_grads = [
+            None if g is None else (g.clone() if clone else g) for g, clone in zip(grads[n_in:], self.clone_slots)
+        ]
         for notify in self.replay_plan:
             notify()
         return (*input_grads, *param_grads)

@@ -13,8 +13,7 @@ notification to :func:`record_grad_ready` so that replays can repeat it (Megatro
 from __future__ import annotations
 
 import contextlib
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
@@ -31,7 +30,6 @@ class _GraphPhase:
 
 
 _phase = _GraphPhase()
-_lock = threading.Lock()
 
 
 def is_graph_capturing() -> bool:
@@ -65,16 +63,14 @@ def record_grad_ready(param: torch.nn.Parameter, notify: Callable[[], None]) -> 
 
 @contextlib.contextmanager
 def _set(**values) -> Iterator[None]:
-    with _lock:
-        old = {k: getattr(_phase, k) for k in values}
-        for k, v in values.items():
-            setattr(_phase, k, v)
+    old = {k: getattr(_phase, k) for k in values}
+    for k, v in values.items():
+        setattr(_phase, k, v)
     try:
         yield
     finally:
-        with _lock:
-            for k, v in old.items():
-                setattr(_phase, k, v)
+        for k, v in old.items():
+            setattr(_phase, k, v)
 
 
 def graph_warmup() -> contextlib.AbstractContextManager:
