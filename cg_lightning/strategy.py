@@ -158,6 +158,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             self.graph_manager = None
         if isinstance(self.model, DataParallelEngine):
             self.model = self.lightning_module
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None
         super().teardown()
 

@@ -66,10 +66,10 @@ class RepeatedNestedLayer(nn.Module):
             if self.recompute:
                 ckpt = CheckpointWithoutOutput()
                 inner = ckpt.checkpoint(lin, h)
-                h = inner * 2.0
+                h = torch.tanh(inner)
                 ckpt.discard_output_and_register_recompute(h)
             else:
-                h = lin(h) * 2.0
+                h = torch.tanh(lin(h))
         return h
 
 
@@ -104,16 +104,18 @@ class TorchNonReentrantLayer(TorchReentrantLayer):
 
 
 class Stack(nn.Module):
-    """``inp`` (eager) -> ``layers`` (graphed) -> ``head`` (eager)."""
+    """``inp`` (eager) -> ``layers`` (graphed; each applied ``repeat`` times in a row) -> ``head`` (eager)."""
 
-    def __init__(self, layer_cls, d: int = 16, n: int = 2, recompute: bool = True) -> None:
+    def __init__(self, layer_cls, d: int = 16, n: int = 2, recompute: bool = True, repeat: int = 1) -> None:
         super().__init__()
         self.inp = nn.Linear(d, d)
         self.layers = nn.ModuleList([layer_cls(d, recompute=recompute) for _ in range(n)])
         self.head = nn.Linear(d, 1)
+        self.repeat = repeat
 
     def forward(self, x):
         h = self.inp(x)
         for layer in self.layers:
-            h = layer(h)
+            for _ in range(self.repeat):
+                h = layer(h)
         return self.head(h).pow(2).mean()

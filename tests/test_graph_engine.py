@@ -10,6 +10,7 @@ import torch
 
 from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
 from cg_lightning.graphs import GraphManager, GraphOptions
+from cg_lightning.graphs import state as cg_state
 from tests import engine_models as em
 
 BACKENDS = [
@@ -24,9 +25,9 @@ def _data(steps, d, device):
     return [torch.randn(8, d, generator=g).to(device) for _ in range(steps)]
 
 
-def eager_reference(layer_cls, steps=4, d=16, n=2, device="cpu"):
+def eager_reference(layer_cls, steps=4, d=16, n=2, device="cpu", repeat=1):
     torch.manual_seed(0)
-    model = em.Stack(layer_cls, d, n, recompute=False).to(device)
+    model = em.Stack(layer_cls, d, n, recompute=False, repeat=repeat).to(device)
     grads = []
     for x in _data(steps, d, device):
         model.zero_grad(set_to_none=True)
@@ -38,13 +39,13 @@ def eager_reference(layer_cls, steps=4, d=16, n=2, device="cpu"):
     return grads, model
 
 
-def graphed_run(layer_cls, backend, device, steps=4, d=16, n=2, warmup_steps=1, recompute=True, **opts):
+def graphed_run(layer_cls, backend, device, steps=4, d=16, n=2, warmup_steps=1, recompute=True, repeat=1,
+                graphs=True, **opts):
+    """Train with the DDP engine; with ``graphs`` the layers are graphed (else eager, real recomputation)."""
     torch.manual_seed(0)
-    model = em.Stack(layer_cls, d, n, recompute=recompute).to(device)
-    manager = GraphManager(
-        model, GraphOptions(warmup_steps=warmup_steps, backend=backend, layers=["layers.*"], **opts),
-        torch.device(device),
-    )
+    model = em.Stack(layer_cls, d, n, recompute=recompute, repeat=repeat).to(device)
+    options = GraphOptions(warmup_steps=warmup_steps, backend=backend, layers=["layers.*"], enabled=graphs, **opts)
+    manager = GraphManager(model, options, torch.device(device))
     engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
     grads, counts = [], []
     for step, x in enumerate(_data(steps, d, device)):
@@ -84,6 +85,34 @@ def test_graphed_main_grad_equals_eager(layer_cls, backend, device):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("layer_cls", LAYERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("repeat", [1, 2], ids=["once", "applied-twice"])
+def test_ready_counts_equal_eager_every_step(layer_cls, repeat, backend, device):
+    """Golden counts from eager training with real recomputation equal the replayed counts at every step,
+    also when one graphed layer is applied twice per step (two runners sharing parameters); main_grad
+    equals the un-checkpointed eager gradient within 1e-6. Counts are never checked against themselves:
+    ``eager`` runs the same engine without graphs."""
+    ref, _ = eager_reference(layer_cls, device=device, repeat=repeat)
+    _, eager_counts, _, _, _ = graphed_run(layer_cls, backend, device, repeat=repeat, graphs=False)
+    got, counts, manager, _, _ = graphed_run(layer_cls, backend, device, repeat=repeat)
+    assert manager.stats.captured_runners == 2 * repeat
+    assert manager.stats.forward_replays == 2 * repeat * 3
+    _assert_grads_equal(got, ref)
+    for step, (c, e) in enumerate(zip(counts, eager_counts)):
+        assert c == e, f"step {step}: graphed counts {c} != eager counts {e}"
+    assert counts[0] == counts[-1]
+
+
+def test_applied_twice_counts_are_two_when_recomputed():
+    """Each application of a reentrant-checkpointed block runs its own nested backward in eager mode, so
+    the block's weights report ready twice per step; replays must report them twice too."""
+    _, counts, _, _, _ = graphed_run(em.CgCheckpointLayer, "eager", "cpu", repeat=2)
+    assert all(c["layers.0.fc1.weight"] == 2 for c in counts)
+    _, counts, _, _, _ = graphed_run(em.SeedLayer, "eager", "cpu", repeat=2)
+    assert all(c["layers.0.checkpointed.weight"] == 2 and c["layers.0.projection.weight"] == 1 for c in counts)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
 def test_hidden_parameter_is_discovered_and_ordered(backend, device):
     _, _, manager, _, model = graphed_run(em.SeedLayer, backend, device, steps=2)
     for (key, index), runner in manager.runners.items():
@@ -116,7 +145,10 @@ def test_repeated_occurrences_recorded_in_order_and_replayed():
     layer = model.layers[1]
     runner = next(r for r in manager.runners.values() if r.module is layer)
     assert [id(p) for p in runner.recorded_occurrences] == [id(layer.a.weight), id(layer.b.weight), id(layer.a.weight)]
-    assert len(runner.replay_plan) == 1  # a and b report once each through their edges
+    # a and b are used only inside recomputation: no autograd edge, every occurrence comes from the plan
+    assert not runner.edge_params or all(p is not layer.a.weight and p is not layer.b.weight for p in runner.edge_params)
+    reporter = cg_state.grad_ready_reporter
+    assert runner.replay_plan == [reporter(layer.a.weight), reporter(layer.b.weight), reporter(layer.a.weight)]
     for step_counts in counts:  # step 0 eager, steps 1.. replayed
         assert step_counts["layers.1.a.weight"] == 2
         assert step_counts["layers.1.b.weight"] == 1

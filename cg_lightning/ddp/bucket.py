@@ -34,6 +34,16 @@ class Bucket:
             return self.pending == 0
         return False
 
+    @property
+    def complete(self) -> bool:
+        """Every parameter reached its golden count (never true before the golden counts are known)."""
+        return self.golden is not None and self.pending == 0
+
+    def set_golden(self) -> None:
+        """Take this iteration's counts as the golden counts (end of the first iteration)."""
+        self.golden = dict(self.counts)
+        self.pending = 0
+
     def missing(self) -> List[torch.nn.Parameter]:
         """Parameters whose count differs from the golden count (all zero-count ones before golden)."""
         if self.golden is None:

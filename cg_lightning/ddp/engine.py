@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..graphs.state import grad_ready_deferred, record_grad_ready
+from ..graphs.state import grad_ready_deferred, record_grad_ready, set_grad_ready_reporter
 from .buffer import GradBuffer
 from .bucket import Bucket
 from .errors import GradSyncError
@@ -92,17 +92,21 @@ class DataParallelEngine(nn.Module):
             self.buckets.extend(buf.buckets)
         self.bucket_of: Dict[nn.Parameter, Bucket] = {p: b for b in self.buckets for p in b.params}
         self._grad_accs = []
+        self._hook_handles = []
         stream_ctx = torch.cuda.stream(grad_accumulator_stream) if grad_accumulator_stream is not None else contextlib.nullcontext()
         with stream_ctx:
             for p in self.params:
                 p.grad_added_to_main_grad = False
                 acc = p.view_as(p).grad_fn.next_functions[0][0]
-                acc.register_hook(self._make_hook(p))
+                self._hook_handles.append(acc.register_hook(self._make_hook(p)))
                 self._grad_accs.append(acc)
         self.sync_enabled = True
         self.golden_known = False
         self.iteration = 0
         self.dispatch_log: List[int] = []  # bucket indices in dispatch order, this iteration
+        self.last_dispatch_order: List[int] = []
+        self.last_ready_counts: Dict[str, int] = {}  # grad-ready count per parameter name, last iteration
+        self._next_dispatch = 0
         self._control_group = None
         if self.distributed and self.world_size > 1 and self.options.check_grad_ready:
             timeout = datetime.timedelta(seconds=self.options.timeout_s)
@@ -115,6 +119,8 @@ class DataParallelEngine(nn.Module):
     def _make_hook(self, param: nn.Parameter):
         def notify() -> None:
             self.register_grad_ready(param)
+
+        set_grad_ready_reporter(param, notify)
 
         def hook(*_unused) -> None:
             if grad_ready_deferred():
@@ -130,14 +136,24 @@ class DataParallelEngine(nn.Module):
         return hook
 
     def register_grad_ready(self, param: nn.Parameter) -> None:
-        """Count one grad-ready occurrence of ``param``; dispatch its bucket when it is complete.
+        """Count one grad-ready occurrence of ``param``; dispatch complete buckets, in bucket order.
 
+        Buckets are all-reduced strictly in index order (a complete bucket waits for the ones before it),
+        so every rank issues the same sequence of collectives even when one rank misses a gradient: the
+        mismatch is then reported by :meth:`finish_grad_sync` instead of pairing different buckets.
         Under :meth:`no_sync` nothing is counted (gradients only accumulate in ``main_grad``).
         """
         if not self.sync_enabled:
             return
         bucket = self.bucket_of[param]
-        if bucket.register_ready(param) and not bucket.dispatched:
+        if bucket.register_ready(param):
+            self._dispatch_ready_prefix()
+
+    def _dispatch_ready_prefix(self) -> None:
+        buckets = self.buckets
+        while self._next_dispatch < len(buckets) and buckets[self._next_dispatch].complete:
+            bucket = buckets[self._next_dispatch]
+            self._next_dispatch += 1
             self.dispatch_log.append(bucket.index)
             bucket.dispatch(self.group, self.world_size, self.options.average)
 
@@ -164,19 +180,18 @@ class DataParallelEngine(nn.Module):
                 differ, or another rank did not reach this point within ``timeout_s``.
         """
         missing = [(p, b) for b in self.buckets for p in b.missing()]
+        self.last_ready_counts = {self.names.get(p, "?"): c for b in self.buckets for p, c in b.counts.items()}
         self._agree(missing)
         if not self.golden_known:
             for b in self.buckets:
-                b.golden = dict(b.counts)
+                b.set_golden()
             self.golden_known = True
             self._check_golden_across_ranks()
-            for b in self.buckets:
-                if not b.dispatched:
-                    self.dispatch_log.append(b.index)
-                    b.dispatch(self.group, self.world_size, self.options.average)
+            self._dispatch_ready_prefix()
         for b in self.buckets:
             b.wait()
             b.reset()
+        self._next_dispatch = 0
         self.iteration += 1
         self.last_dispatch_order = self.dispatch_log
         self.dispatch_log = []
@@ -234,6 +249,15 @@ class DataParallelEngine(nn.Module):
                 + "; ".join(diffs[:10])
                 + ". Every rank must run the same layers the same number of times."
             )
+
+    def close(self) -> None:
+        """Remove the hooks and grad-ready reporters; the module trains as if never wrapped."""
+        for handle in self._hook_handles:
+            handle.remove()
+        for p in self.params:
+            set_grad_ready_reporter(p, None)
+        self._hook_handles = []
+        self._grad_accs = []
 
     # ----------------------------------------------------------------- optimizer glue
     def expose_grads(self) -> None:

@@ -38,7 +38,7 @@ def _graphed(runner: LayerGraphRunner, fallback: Callable, module: Optional[nn.M
                 + "\n  ".join(runner.signature.mismatches(args, kwargs))
             )
         tensors = runner.signature.tensor_leaves(args, kwargs)
-        flat = ReplayFunction.apply(runner, *tensors, *runner.params_to_backprop)
+        flat = ReplayFunction.apply(runner, *tensors, *runner.edge_params)
         return runner.output_structure(flat)
 
     call.runner = runner

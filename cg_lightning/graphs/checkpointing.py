@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from .discovery import leaves_inside
 from .state import is_graph_capturing, is_graph_warmup
 
 
@@ -206,8 +207,34 @@ def checkpoint(fn: Callable, *args: Any, **kwargs: Any):
     Memory cost: in a graphed layer the region's activations are kept, as if it were not checkpointed.
     """
     if is_graph_warmup() or is_graph_capturing():
-        return fn(*args)
+        return _bypassed_call(fn, args)
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=True, **kwargs)
+
+
+#: While a forward is captured, one entry per bypassed reentrant region: the ``id`` of each leaf tensor
+#: (parameter) used inside it. Eager execution would finalize each of them once in the region's own
+#: nested backward; the graph runner replays those grad-ready notifications (see ``runner.py``).
+_region_log: List[List[set]] = []
+
+
+@contextlib.contextmanager
+def recording_bypassed_regions() -> Iterator[List[set]]:
+    """Collect, for every reentrant region bypassed in this context, the leaves used inside it."""
+    regions: List[set] = []
+    _region_log.append(regions)
+    try:
+        yield regions
+    finally:
+        _region_log.pop()
+
+
+def _bypassed_call(fn: Callable, args: tuple):
+    outputs = fn(*args)
+    # A reentrant region whose tensor inputs all lack requires_grad runs no nested backward in eager mode.
+    if _region_log and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        _region_log[-1].append(leaves_inside(flat, [a for a in args if isinstance(a, torch.Tensor)]))
+    return outputs
 
 
 @contextlib.contextmanager
@@ -223,7 +250,7 @@ def bypass_reentrant_checkpoint() -> Iterator[None]:
     original = cls.__dict__.get("apply")
 
     def _direct(function, preserve_rng_state, *args):
-        return function(*args)
+        return _bypassed_call(function, args)
 
     cls.apply = staticmethod(_direct)
     try:

@@ -35,6 +35,39 @@ def reachable_leaves(outputs: Iterable[torch.Tensor]) -> Set[int]:
     return found
 
 
+def leaves_inside(outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor]) -> Set[int]:
+    """``id`` of the leaves reachable from ``outputs`` without passing through ``inputs``.
+
+    Applied to a reentrant recomputation region run without checkpointing: the leaves found are those
+    the region's own nested backward would finalize in eager execution (the region's inputs are detached
+    there, so nothing upstream of them belongs to that backward).
+    """
+    stop_nodes: Set[int] = set()
+    stop_leaves: Set[int] = set()
+    keep: Dict[int, object] = {}
+    for t in inputs:
+        if t.grad_fn is not None:
+            stop_nodes.add(id(t.grad_fn))
+            keep[id(t.grad_fn)] = t.grad_fn
+        else:
+            stop_leaves.add(id(t))
+    found: Set[int] = set()
+    seen: Dict[int, object] = {}
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or id(node) in stop_nodes:
+            continue
+        seen[id(node)] = node
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            if id(variable) not in stop_leaves:
+                found.add(id(variable))
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
 def params_to_backprop(owned: Sequence[torch.nn.Parameter], *reachable: Set[int]) -> List[torch.nn.Parameter]:
     """The parameters of ``owned`` (in its order) that require grad and appear in any ``reachable`` set."""
     union: Set[int] = set().union(*reachable)

@@ -162,7 +162,7 @@ class GraphManager:
         if runner is None or not runner.signature.matches(args, kwargs):
             return self._fallback(layer, index, runner, args, kwargs)
         tensors = runner.signature.tensor_leaves(args, kwargs)
-        flat = ReplayFunction.apply(runner, *tensors, *runner.params_to_backprop)
+        flat = ReplayFunction.apply(runner, *tensors, *runner.edge_params)
         self.stats.forward_replays += 1
         return runner.output_structure(flat)
 

@@ -17,12 +17,23 @@ after setting ``param.grad_added_to_main_grad``; otherwise the sum is returned t
 the caller opted out or the parameter is a delayed-wgrad one (TransformerEngine PR #2937,
 pytorch/pytorch#181723). The policy is frozen at capture.
 
-Grad-ready notifications fired during the backward capture (by the DDP hooks of parameters finalized in
-a nested backward) are recorded with duplicates and order kept (Megatron-LM PR #6242). Each parameter in
-``params_to_backprop`` reports once per replay through its autograd edge; eager execution reports a
-hidden parameter (not reachable from the captured forward outputs) only through the nested backward, so
-one recorded occurrence of each hidden parameter is absorbed by its edge and the rest are replayed
-explicitly after every backward replay. Counts therefore equal eager's.
+Grad-ready counts equal eager execution's, call by call (Megatron-LM PR #6242). In eager execution a
+parameter reports ready once in the outer backward if that backward reaches it at all (autograd sums
+every use before its ``AccumulateGrad`` node runs), plus once per nested recomputation backward that
+uses it. A runner therefore
+
+* gives the replay node an autograd edge only to the *eagerly visible* parameters (those an eager,
+  un-bypassed forward of this call reaches from its outputs; found by one probe forward during warmup),
+  so the outer backward reports them exactly as eager does, however many calls share them;
+* records every notification fired during the backward capture (``CheckpointWithoutOutput``'s nested
+  backwards), duplicates and order kept, filtered to nothing, and replays the list after each backward
+  replay;
+* adds one notification per parameter used inside each reentrant region that capture bypassed (eager
+  execution would have run that region's nested backward).
+
+Without ``accumulate_into_main_grad`` (``make_graphed_callables``) every parameter in
+``params_to_backprop`` keeps its edge, since autograd must deliver its gradient; one recorded occurrence
+of each hidden parameter is then absorbed by that edge.
 """
 
 from __future__ import annotations
@@ -31,10 +42,10 @@ from typing import Callable, List, Optional, Sequence, Set
 
 import torch
 
-from .checkpointing import bypass_reentrant_checkpoint, using_anchor
+from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .discovery import owned_parameters, params_to_backprop, reachable_leaves
 from .signature import CallSignature
-from .state import graph_capture, graph_warmup, recording_grad_ready
+from .state import graph_capture, graph_warmup, grad_ready_reporter, recording_grad_ready
 from torch.utils import _pytree as pytree
 
 
@@ -96,8 +107,12 @@ class LayerGraphRunner:
         self.num_inputs = len(self.static_inputs)
         self._warmup_reachable: Set[int] = set()
         self._visible: Set[int] = set()
+        self._eager_visible: Set[int] = set()
+        self._bypassed_regions: List[Set[int]] = []
         self.params_to_backprop: List[torch.nn.Parameter] = []
         self.hidden_params: List[torch.nn.Parameter] = []
+        #: the parameters the replay node takes as inputs (autograd edges to their AccumulateGrad nodes)
+        self.edge_params: List[torch.nn.Parameter] = []
         self.replay_plan: List[Callable[[], None]] = []
         self.clone_slots: List[bool] = []
         self.output_requires_grad: List[bool] = []
@@ -114,6 +129,7 @@ class LayerGraphRunner:
         self._device = first.device if first is not None else torch.device("cpu")
         self._foreign_params: List[torch.nn.Parameter] = []
         self._main_grad_params: List[torch.nn.Parameter] = []
+        self._edge_main_grad_params: List[torch.nn.Parameter] = []
         self.recorded_occurrences: List[torch.nn.Parameter] = []
 
     # ----------------------------------------------------------------- building
@@ -134,7 +150,15 @@ class LayerGraphRunner:
         return [t for t in inputs if t.requires_grad] + list(params)
 
     def warmup(self) -> None:
-        """Eager passes with recomputation bypassed; records the parameters they reach."""
+        """Eager passes with recomputation bypassed; records the parameters they reach.
+
+        First one probe forward exactly as eager training runs it (recomputation on): the parameters it
+        reaches from the outputs are the ones eager execution reports ready in the outer backward.
+        """
+        inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in self.static_inputs]
+        outs, _ = self._run_module(inputs)
+        self._eager_visible = reachable_leaves(outs)
+        del outs, inputs
         grad_params = [p for p in self.owned if p.requires_grad]
         with graph_warmup(), bypass_reentrant_checkpoint():
             for _ in range(self.num_warmup_iters):
@@ -165,11 +189,13 @@ class LayerGraphRunner:
             return list(outs)
 
         try:
-            self._fwd = self.backend.capture(body, self.pool)
+            with recording_bypassed_regions() as regions:
+                self._fwd = self.backend.capture(body, self.pool)
         except GraphCaptureError:
             raise
         except Exception as exc:  # host syncs, CPU tensors, data-dependent control flow ...
             raise GraphCaptureError(_capture_failure(self.name, "forward", exc)) from exc
+        self._bypassed_regions = regions
         outs = self._autograd_outputs
         self.output_requires_grad = [o.requires_grad for o in outs]
         self._visible = reachable_leaves(outs)
@@ -179,10 +205,15 @@ class LayerGraphRunner:
         self._main_grad_params = [
             p for p in self.params_to_backprop if self.accumulate_into_main_grad and hasattr(p, "main_grad")
         ]
+        into_main_grad = set(map(id, self._main_grad_params))
+        self.edge_params = [
+            p for p in self.params_to_backprop if id(p) not in into_main_grad or id(p) in self._eager_visible
+        ]
         self.clone_slots = [
             self.clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False)
-            for p in self.params_to_backprop
+            for p in self.edge_params
         ]
+        self._edge_main_grad_params = [p for p in self.edge_params if id(p) in into_main_grad]
         self.static_grad_outputs = [torch.zeros_like(o) if g else None for o, g in zip(outs, self.output_requires_grad)]
 
     def _backward_body(self) -> List[Optional[torch.Tensor]]:
@@ -212,6 +243,7 @@ class LayerGraphRunner:
         input_grads, wgrads = grads[:n_in], grads[n_in:]
         param_slots: List[Optional[torch.Tensor]] = []
         into_main_grad = set(map(id, self._main_grad_params))
+        edges = set(map(id, self.edge_params))
         for p, wgrad, old in zip(params, wgrads, stashed):
             nested = p.grad
             p.grad = old
@@ -219,8 +251,8 @@ class LayerGraphRunner:
             if id(p) in into_main_grad:
                 if total is not None:
                     p.main_grad.add_(total)
-                param_slots.append(None)
-            else:
+                total = None
+            if id(p) in edges:
                 param_slots.append(total)
         foreign = self._foreign_params if self._recording is None else self._foreign_in(self._recording)
         for p in foreign:
@@ -262,16 +294,30 @@ class LayerGraphRunner:
         finally:
             self._recording = None
         self._foreign_params = self._foreign_in(occurrences)
+        self.replay_plan = self._build_replay_plan(occurrences)
+        self.recorded_occurrences = [p for p, _ in occurrences]
+
+    def _build_replay_plan(self, occurrences) -> List[Callable[[], None]]:
+        """The notifications to fire after every backward replay (see the module docstring)."""
+        events = list(occurrences)
+        by_id = {id(p): p for p in self.params_to_backprop}
+        for region in reversed(self._bypassed_regions):  # nested backwards run in reverse region order
+            for pid in region:
+                param = by_id.get(pid)
+                notify = grad_ready_reporter(param) if param is not None else None
+                if notify is not None:
+                    events.append((param, notify))
+        edges = set(map(id, self.edge_params))
         absorbed: Set[int] = set()
-        hidden = set(map(id, self.hidden_params))
         plan = []
-        for param, notify in occurrences:
-            if id(param) in hidden and id(param) not in absorbed:
-                absorbed.add(id(param))  # its autograd edge to the replay node reports this one
+        for param, notify in events:
+            # A parameter that eager's outer backward does not reach but that has an edge here (no
+            # main_grad accumulation: autograd must deliver its gradient) reports once through the edge.
+            if id(param) in edges and id(param) not in self._eager_visible and id(param) not in absorbed:
+                absorbed.add(id(param))
                 continue
             plan.append(notify)
-        self.replay_plan = plan
-        self.recorded_occurrences = [p for p, _ in occurrences]
+        return plan
 
     # ----------------------------------------------------------------- replay
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> tuple:
@@ -284,8 +330,9 @@ class LayerGraphRunner:
         return tuple(o.detach() for o in self._fwd.outputs)
 
     def replay_backward(self, grad_outputs: Sequence[Optional[torch.Tensor]]) -> tuple:
+        """Returns gradients for the input tensors, then for ``edge_params``."""
         if self._bwd is None:
-            return (None,) * (self.num_inputs + len(self.params_to_backprop))
+            return (None,) * (self.num_inputs + len(self.edge_params))
         with torch.no_grad():
             for static, g in zip(self.static_grad_outputs, grad_outputs):
                 if static is None:
@@ -296,12 +343,12 @@ class LayerGraphRunner:
                     static.copy_(g)
         self._bwd.replay()
         grads = self._bwd.outputs
-        n_in = len(grads) - len(self.params_to_backprop)
+        n_in = len(grads) - len(self.edge_params)
         input_grads = []
         it = iter(grads[:n_in])
         for t in self.static_inputs:
             input_grads.append(next(it) if t.requires_grad else None)
-        for p in self._main_grad_params:  # their gradients went into main_grad inside the graph
+        for p in self._edge_main_grad_params:  # their gradients went into main_grad inside the graph
             p.grad_added_to_main_grad = True
         param_grads = [
             None if g is None else (g.clone() if clone else g) for g, clone in zip(grads[n_in:], self.clone_slots)

@@ -13,8 +13,9 @@ notification to :func:`record_grad_ready` so that replays can repeat it (Megatro
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -59,6 +60,30 @@ def record_grad_ready(param: torch.nn.Parameter, notify: Callable[[], None]) -> 
     """
     if _phase.recorder is not None:
         _phase.recorder.append((param, notify))
+
+
+#: Per parameter, the callable that reports it ready to the data-parallel engine that owns it. Graph
+#: runners need it for grad-ready occurrences that eager execution produces but a capture cannot observe
+#: (a bypassed reentrant recomputation's nested backward).
+#: Keyed by ``id`` (tensors compare by value, so no WeakKeyDictionary); a weak reference guards against a
+#: dead parameter's id being reused.
+_reporters: Dict[int, Tuple["weakref.ref[torch.nn.Parameter]", Callable[[], None]]] = {}
+
+
+def set_grad_ready_reporter(param: torch.nn.Parameter, notify: Optional[Callable[[], None]]) -> None:
+    """Register (or, with ``None``, remove) the callable that reports ``param`` ready."""
+    if notify is None:
+        _reporters.pop(id(param), None)
+    else:
+        _reporters[id(param)] = (weakref.ref(param), notify)
+
+
+def grad_ready_reporter(param: torch.nn.Parameter) -> Optional[Callable[[], None]]:
+    """The callable registered by :func:`set_grad_ready_reporter`, or ``None`` (no engine watches it)."""
+    entry = _reporters.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,114 @@
+"""Two-process scenarios for the DDP engine with graphed layers (gloo), launched by ``torch.distributed.run``.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/scripts/engine_dist.py --scenario overlap --out DIR
+
+Every rank writes ``DIR/rank{r}.json``: the scenario's observations (event order, error messages, seconds).
+Scenarios (model: ``tests.engine_models.Stack`` of four graphed layers, eager graph backend, warmup 1 step):
+
+* ``overlap``: tiny buckets; log grad-ready and bucket dispatch events of a replayed iteration.
+* ``missing``: in iteration 2 rank 1 skips ``layers.1``; both ranks must raise ``GradSyncError``.
+* ``stuck``: in iteration 2 rank 1 fails inside a graphed layer and never reaches the end of the backward
+  (it waits, as a wedged rank would); rank 0 must raise within ``timeout_s``.
+* ``golden``: in iteration 0 rank 1 applies ``layers.1`` twice; the golden counts differ across ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+import torch.distributed as dist
+
+from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
+from cg_lightning.ddp.bucket import Bucket
+from cg_lightning.graphs import GraphManager, GraphOptions
+from tests import engine_models as em
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scenario", required=True, choices=["overlap", "missing", "stuck", "golden"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--timeout-s", type=float, default=10.0)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = em.Stack(em.SeedLayer, 16, 4, recompute=True)
+    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=16 * 17 * 4 / 2**20, timeout_s=a.timeout_s))
+    events = []
+    result = {"rank": rank, "buckets": len(engine.buckets)}
+
+    original_ready = engine.register_grad_ready
+
+    def logged_ready(param):
+        events.append(["ready", engine.names[param]])
+        original_ready(param)
+
+    engine.register_grad_ready = logged_ready
+    original_dispatch = Bucket.dispatch
+
+    def logged_dispatch(self, *args, **kwargs):
+        events.append(["dispatch", self.index, [engine.names[p] for p in self.params]])
+        original_dispatch(self, *args, **kwargs)
+
+    Bucket.dispatch = logged_dispatch
+    g = torch.Generator().manual_seed(10 + rank)
+    start = None
+    try:
+        for it in range(4):
+            x = torch.randn(8, 16, generator=g)
+            events.clear()
+            manager.begin_step(it)
+            if a.scenario == "missing" and it == 2 and rank == 1:
+                h = model.inp(x)
+                for i, layer in enumerate(model.layers):
+                    if i != 1:
+                        h = layer(h)
+                loss = model.head(h).pow(2).mean()
+            elif a.scenario == "golden" and it == 0 and rank == 1:
+                h = model.inp(x)
+                for i, layer in enumerate(model.layers):
+                    h = layer(layer(h)) if i == 1 else layer(h)
+                loss = model.head(h).pow(2).mean()
+            elif a.scenario == "stuck" and it == 2 and rank == 1:
+                try:
+                    raise RuntimeError("simulated failure inside layers.2")
+                except RuntimeError:
+                    deadline = time.time() + 120
+                    while time.time() < deadline and not os.path.exists(os.path.join(a.out, "rank0.json")):
+                        time.sleep(0.2)
+                    result["stuck"] = True
+                    break
+            else:
+                loss = engine(x)
+            loss.backward()
+            manager.end_step()
+            start = time.time()
+            engine.finish_grad_sync()
+            if it == 2:
+                result["events"] = list(events)
+                result["dispatch_order"] = engine.last_dispatch_order
+            engine.zero_grad_buffer()
+    except GradSyncError as exc:
+        result["error"] = str(exc)
+        result["error_after_s"] = time.time() - start if start is not None else None
+        result["iteration"] = engine.iteration
+    path = os.path.join(a.out, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    if "error" not in result and not result.get("stuck"):
+        dist.destroy_process_group()
+    os._exit(0)  # never block on collectives another rank will not join
+
+
+if __name__ == "__main__":
+    main()

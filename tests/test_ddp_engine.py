@@ -1,0 +1,84 @@
+"""The DDP engine across two processes (gloo): bucket overlap, missing gradients, a stuck rank, golden counts.
+
+Each case runs ``tests/scripts/engine_dist.py`` under ``torch.distributed.run`` with a subprocess timeout;
+the engine's own timeout (``DDPOptions.timeout_s``) is 10 s there, so a hang would fail the test, not
+block CI.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import _DIST_VARS, ROOT, free_port
+
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "engine_dist.py")
+
+
+def _run(scenario: str, tmp_path, timeout: float = 120) -> list:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env["PYTHONPATH"] = ROOT
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), SCRIPT, "--scenario", scenario, "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    results = []
+    for r in range(2):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote nothing ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_first_bucket_all_reduce_starts_before_backward_reaches_first_layer(tmp_path):
+    """In a replayed iteration the first bucket (the head's and last layer's gradients) is dispatched while
+    the backward has not yet reached layers.0, and buckets go out in index order on both ranks."""
+    for res in _run("overlap", tmp_path):
+        assert "error" not in res, res.get("error")
+        events = res["events"]
+        assert res["buckets"] > 4
+        first_dispatch = next(i for i, e in enumerate(events) if e[0] == "dispatch")
+        first_layer_ready = next(i for i, e in enumerate(events) if e[0] == "ready" and e[1].startswith("layers.0."))
+        assert first_dispatch < first_layer_ready, events
+        dispatches = [e[1] for e in events if e[0] == "dispatch"]
+        assert dispatches == list(range(res["buckets"])), dispatches
+        # the dispatches interleave with the backward: some happen before the last grad-ready event
+        last_ready = max(i for i, e in enumerate(events) if e[0] == "ready")
+        assert sum(1 for i, e in enumerate(events) if e[0] == "dispatch" and i < last_ready) >= res["buckets"] - 2
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_missing_gradient_is_an_error_on_both_ranks(tmp_path):
+    for res in _run("missing", tmp_path):
+        msg = res.get("error")
+        assert msg, f"rank {res['rank']} did not raise"
+        assert res["iteration"] == 2
+        assert f"seen on rank {res['rank']}" in msg
+        assert "\n  rank 1: layers.1.projection.bias (ready 0 times, expected 1)" in msg
+        assert "layers.1.checkpointed.weight (ready 0 times, expected 1)" in msg and "rank 0:" not in msg
+        assert "recomputation" in msg  # the usual causes are listed
+        assert res["error_after_s"] < 10
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_stuck_rank_gives_an_error_within_the_timeout(tmp_path):
+    rank0, rank1 = _run("stuck", tmp_path)
+    assert rank1.get("stuck")
+    assert "did not reach the end of the backward within 10 s" in rank0["error"]
+    assert 9 <= rank0["error_after_s"] < 40
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_golden_counts_that_differ_across_ranks_fail_the_first_iteration(tmp_path):
+    for res in _run("golden", tmp_path):
+        msg = res.get("error")
+        assert msg and res["iteration"] == 0
+        # checkpointed.* runs one nested backward per application; projection's two uses merge in one pass
+        assert "golden counts" in msg and "layers.1.checkpointed.weight: rank 0=1, rank 1=2" in msg
+        assert "projection" not in msg
