@@ -9,6 +9,7 @@ from . import callbacks  # noqa: F401  (cg_lightning.callbacks)
 
 from .ddp import DataParallelEngine, DDPOptions, GradSyncError
 from .graphs import (
+    BufferReuseError,
     CheckpointWithoutOutput,
     GraphCaptureError,
     GraphOptions,
@@ -25,6 +26,7 @@ CUDAGraphDDPStrategy.register_strategies(_StrategyRegistry)
 __version__ = "0.1.0"
 
 __all__ = [
+    "BufferReuseError",
     "CUDAGraphDDPStrategy",
     "CheckpointWithoutOutput",
     "DDPOptions",

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+import cg_lightning
+
 __all__ = ["Block", "GPT", "GPTLightningModule"]
 
 
@@ -39,10 +41,16 @@ class Block(nn.Module):
         dropout: probability used for attention dropout (training only) and for
             the residual dropout after each sub-layer.
         bias: whether the Linear and LayerNorm layers carry a bias.
+        recompute: activation recomputation of the whole block with
+            :func:`cg_lightning.checkpoint` (reentrant; bypassed while the block's
+            graph is built, so a graphed block keeps its activations).
     """
 
-    def __init__(self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
+    def __init__(
+        self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True, recompute: bool = False
+    ) -> None:
         super().__init__()
+        self.recompute = recompute
         if d_model % n_head != 0:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_head ({n_head})")
         self.d_model = d_model
@@ -93,6 +101,11 @@ class Block(nn.Module):
         Returns:
             Tensor of the same shape and dtype as ``x``.
         """
+        if self.recompute:
+            return cg_lightning.checkpoint(self._body, x)
+        return self._body(x)
+
+    def _body(self, x: Tensor) -> Tensor:
         x = x + self.attention(self.ln1(x))
         x = x + self.mlp(self.ln2(x))
         return x
@@ -114,6 +127,9 @@ class GPT(nn.Module):
         bias: whether Linear/LayerNorm layers in the blocks and ``ln_f`` carry biases.
         tie_weights: share one Parameter between ``tok_emb.weight`` and
             ``lm_head.weight``.
+        recompute_blocks: activation recomputation inside every block (see :class:`Block`).
+        block_schedule: indices of the blocks to apply, in order (default: each block
+            once); e.g. ``[0, 0, 1]`` applies block 0 twice (weight sharing across depth).
     """
 
     def __init__(
@@ -126,6 +142,8 @@ class GPT(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         tie_weights: bool = False,
+        recompute_blocks: bool = False,
+        block_schedule: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -136,8 +154,11 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(block_size, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            [Block(d_model, n_head, dropout=dropout, bias=bias) for _ in range(n_layer)]
+            [Block(d_model, n_head, dropout=dropout, bias=bias, recompute=recompute_blocks) for _ in range(n_layer)]
         )
+        self.block_schedule = list(range(n_layer)) if block_schedule is None else [int(i) for i in block_schedule]
+        if any(not 0 <= i < n_layer for i in self.block_schedule):
+            raise ValueError(f"block_schedule {self.block_schedule} has indices outside 0..{n_layer - 1}")
         self.ln_f = nn.LayerNorm(d_model, bias=bias)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
 
@@ -172,14 +193,27 @@ class GPT(nn.Module):
         Returns:
             Logits of shape ``(B, T, vocab_size)`` (dtype of the parameters or autocast).
         """
+        return self.head(self.hidden(idx))
+
+    def hidden(self, idx: Tensor) -> Tensor:
+        """Embeddings and blocks: ``(B, T)`` int64 -> ``(B, T, d)`` residual stream."""
         B, T = idx.shape
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        for i in self.block_schedule:
+            x = self.blocks[i](x)
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm and output projection: ``(B, T, d) -> (B, T, V)`` logits."""
         return self.lm_head(self.ln_f(x))
+
+    def head_loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy of :meth:`head` (scalar); ``targets`` int64 ``(B, T)``."""
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 class _LinearWarmup:
@@ -211,6 +245,11 @@ class GPTLightningModule(LightningModule):
         betas: AdamW betas; a list (e.g. from YAML) is converted to a tuple.
         warmup_lr_steps: if > 0, the LR is ramped linearly over that many
             optimiser steps by a per-step ``LambdaLR``.
+        recompute_loss: compute the head and the loss under activation
+            recomputation (:func:`cg_lightning.checkpoint`), so the ``(B, T, V)``
+            logits are not kept for the backward. With ``tie_weights`` the shared
+            weight then reports ready twice per step: once in the outer backward
+            (embedding) and once in the loss's nested backward (head).
     """
 
     def __init__(
@@ -223,6 +262,9 @@ class GPTLightningModule(LightningModule):
         dropout: float = 0.0,
         bias: bool = True,
         tie_weights: bool = False,
+        recompute_blocks: bool = False,
+        block_schedule: Sequence[int] | None = None,
+        recompute_loss: bool = False,
         lr: float = 3e-3,
         weight_decay: float = 0.0,
         betas: Sequence[float] = (0.9, 0.95),
@@ -245,7 +287,10 @@ class GPTLightningModule(LightningModule):
             dropout=dropout,
             bias=bias,
             tie_weights=tie_weights,
+            recompute_blocks=recompute_blocks,
+            block_schedule=block_schedule,
         )
+        self.recompute_loss = bool(recompute_loss)
 
     def forward(self, idx: Tensor) -> Tensor:
         """``(B, T)`` int64 -> ``(B, T, V)`` logits."""
@@ -253,8 +298,11 @@ class GPTLightningModule(LightningModule):
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
-        logits = self.model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        hidden = self.model.hidden(x)
+        if self.recompute_loss and torch.is_grad_enabled():
+            # The (B, T, V) logits are never stored: recomputed in the backward (reentrant recomputation).
+            return cg_lightning.checkpoint(self.model.head_loss, hidden, y)
+        return self.model.head_loss(hidden, y)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Return the scalar mean cross-entropy loss and log it as ``train_loss``."""

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Everything the GPU machine must show after graph/DDP/strategy changes, in one call:
-#   the cuda-marked tests, the tiny-GPT step-time benchmark, and the main job on configs/gpt_small.yaml.
-# Usage (repository root, GPU machine): bash scripts/gpu_checks.sh OUTDIR [small_steps]
+# What the GPU machine must show after graph/DDP/strategy changes.
+# Usage (repository root, GPU machine): bash scripts/gpu_checks.sh OUTDIR [tests|bench|main|all] [small_steps]
+#   tests: the cuda-marked tests;  bench: benchmarks/step_time.py, every peer at the tiny, small and compute sizes;
+#   main: the main job on configs/gpt_small.yaml;  all: the three in that order.
 # Wheels for packages the GPU image lacks (omegaconf) may lie in .whl/ and are installed to /tmp/site.
 set -uo pipefail
-out=${1:-/tmp/gpu_checks}; small_steps=${2:-200}
+out=${1:-/tmp/gpu_checks}; what=${2:-all}; small_steps=${3:-200}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -15,14 +16,22 @@ else
 fi
 nvidia-smi -L; python3 -c 'import torch, lightning; print("torch", torch.__version__, "lightning", lightning.__version__)'
 status=0
-python3 -m pytest -m cuda -q -s -p no:cacheprovider tests 2>&1 | tee "$out/cuda_tests.log" | grep -vE "Warning|warn\(|^\s*$" | tail -40 || status=1
-python3 benchmarks/step_time.py --size tiny --steps 80 --skip 20 --repeats 3 --out "$out" 2>&1 | tee "$out/bench_tiny.log" | tail -8 || status=1
-python3 -m cg_lightning fit --config configs/gpt_small.yaml trainer.max_steps="$small_steps" \
-  trainer.default_root_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 | tee "$out/main_small.log" | tail -5 || status=1
-metrics=$(ls "$out"/runs/*/version_*/metrics.csv 2>/dev/null | head -1)
-[ -n "$metrics" ] && cp "$metrics" "$out/main_small_metrics.csv" && python3 - "$metrics" <<'PY'
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -m cuda -q -s -p no:cacheprovider tests 2>&1 | tee "$out/cuda_tests.log" \
+    | grep -E "diff|MiB|passed|failed|Error|error|FAILED" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 -m benchmarks.step_time --sizes ${BENCH_SIZES:-tiny small compute} --out "$out" 2>&1 | tee "$out/bench.log" | tail -40 || status=1
+fi
+if [ "$what" = main ] || [ "$what" = all ]; then
+  python3 -m cg_lightning fit --config configs/gpt_small.yaml trainer.max_steps="$small_steps" \
+    trainer.default_root_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 | tee "$out/main_small.log" | tail -5 || status=1
+  metrics=$(ls "$out"/runs/*/version_*/metrics.csv "$out"/runs/version_*/metrics.csv 2>/dev/null | head -1)
+  [ -n "$metrics" ] && cp "$metrics" "$out/main_small_metrics.csv" && python3 - "$metrics" <<'PY'
 import csv, sys
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r.get("train_loss")]
 print("main job train_loss: first", rows[0]["train_loss"], "last", rows[-1]["train_loss"], "rows", len(rows))
 PY
+fi
 exit $status

@@ -19,17 +19,28 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_parity.py")
 
 
 class GradRecorder(Callback):
-    """Records losses every step and every parameter's gradient (``.grad``) at chosen global steps."""
+    """Records losses every step, every parameter's gradient (``.grad``) at chosen global steps, and (under
+    ``cudagraph_ddp``) the engine's grad-ready counts by parameter name at every optimizer step."""
 
-    def __init__(self, at_steps=()) -> None:
+    def __init__(self, at_steps=(), record_batches: bool = False) -> None:
         self.losses: List[float] = []
+        self.ready_counts: List[Dict[str, int]] = []
+        self.record_batches = record_batches
+        self.batches: list = []
         self.at_steps = set(at_steps)
         self.grads: Dict[int, Dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.record_batches:
+            self.batches.append([t.detach().clone() for t in batch])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"].detach()))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            self.ready_counts.append(dict(engine.last_ready_counts))
         if trainer.global_step in self.at_steps:
             self.grads[trainer.global_step] = {
                 n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
@@ -37,7 +48,7 @@ class GradRecorder(Callback):
 
 
 def train_in_process(strategy, steps: int = 20, seed: int = 7, at_steps=(), precision="32-true",
-                     accelerator="cpu", model_kwargs=None, data_kwargs=None, accumulate=1):
+                     accelerator="cpu", model_kwargs=None, data_kwargs=None, accumulate=1, record_batches=False):
     """One-process fit of a tiny GPT; returns (model, recorder, trainer)."""
     seed_everything(seed, workers=True)
     mk = dict(n_layer=2, d_model=64, n_head=4, block_size=32, lr=3e-3)
@@ -46,7 +57,7 @@ def train_in_process(strategy, steps: int = 20, seed: int = 7, at_steps=(), prec
     dk.update(data_kwargs or {})
     model = GPTLightningModule(**mk)
     data = TextDataModule(**dk)
-    rec = GradRecorder(at_steps)
+    rec = GradRecorder(at_steps, record_batches)
     trainer = Trainer(
         accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=steps,
         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
@@ -80,6 +91,27 @@ def train_subprocess(out: str, *args: str, timeout: float = 240) -> dict:
     if proc.returncode != 0:
         raise AssertionError(f"training script failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return torch.load(out)
+
+
+def train_plain_pytorch(batches, seed: int = 7, model_kwargs=None, accumulate: int = 1, device="cpu"):
+    """The eager reference without Lightning: the GPT of :func:`train_in_process` (same seed, so same init),
+    its AdamW, one optimizer step per ``accumulate`` batches of ``batches`` (as Lightning scales the loss:
+    divided by ``accumulate``). Returns (model, per-micro-batch losses divided by ``accumulate``, the value
+    Lightning hands to ``on_train_batch_end`` as ``outputs["loss"]``)."""
+    seed_everything(seed, workers=True)
+    mk = dict(n_layer=2, d_model=64, n_head=4, block_size=32, lr=3e-3)
+    mk.update(model_kwargs or {})
+    model = GPTLightningModule(**mk).to(device)
+    opt = model.configure_optimizers()
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = model._loss([t.to(device) for t in batch]) / accumulate
+        losses.append(float(loss.detach()))
+        loss.backward()
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return model, losses
 
 
 def max_rel_diff(a, b) -> float:

@@ -124,3 +124,68 @@ def test_two_process_checkpoint_hidden_parameter_parity(tmp_path):
     assert len(cg["losses"]) == len(ref["losses"]) == 10
     assert max_rel_diff(cg["losses"], ref["losses"]) < 1e-5
     assert state_rel_diff(cg["state"], ref["state"]) < 1e-5
+
+
+def _counts_of(result, prefix):
+    return [{k: v for k, v in c.items() if k.startswith(prefix)} for c in result["ready_counts"]]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_two_process_tied_weights_with_accumulation(tmp_path):
+    """Tied embedding/output weight, loss under recomputation, accumulate_grad_batches=4, gloo, 2 processes:
+    losses and weights equal "ddp" within 1e-5; the tied weight reports ready twice in every iteration
+    (outer backward through the embedding + the loss's nested backward through the head), eager and
+    replayed alike.
+
+    The "ddp" reference runs the same model without the loss recomputation (recomputation changes no
+    value): torch DDP refuses a parameter finalized in two backward passes per iteration ("marked ready
+    twice") unless static_graph=True, and static_graph=True fails with no_sync (accumulation) on torch
+    2.13 ("expect_autograd_hooks_ INTERNAL ASSERT"). Without biases: the key projection's bias has a zero
+    true gradient (softmax ignores a per-query constant), so AdamW turns the rounding noise of a different
+    summation order (recomputed or not) into 1e-4 relative weight differences even in plain PyTorch.
+    """
+    common = ["--devices", "2", "--steps", "6", "--accumulate", "4", "--backend", "eager", "--tie-weights",
+              "--warmup-steps", "2", "--no-bias"]
+    ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp", *common)
+    cg = train_subprocess(str(tmp_path / "cg.pt"), "--strategy", "cudagraph_ddp", "--recompute-loss", *common)
+    assert len(cg["losses"]) == len(ref["losses"]) == 24
+    assert max_rel_diff(cg["losses"], ref["losses"]) < 1e-5
+    assert state_rel_diff(cg["state"], ref["state"]) < 1e-5
+    assert cg["stats"]["captured_runners"] == 2
+    assert cg["stats"]["forward_replays"] == 2 * 4 * (6 - 2)
+    assert len(cg["ready_counts"]) == 6
+    assert [c["model.tok_emb.weight"] for c in cg["ready_counts"]] == [2] * 6
+    assert "model.lm_head.weight" not in cg["ready_counts"][0]  # one parameter, one name
+    assert all(v == 1 for c in _counts_of(cg, "model.blocks.") for v in c.values())
+
+
+def test_tied_weight_without_recomputation_reports_once():
+    """Both uses of a tied weight in one backward pass are summed before its AccumulateGrad node runs, so
+    it reports ready once per iteration, in eager and replayed iterations; parity with "ddp"."""
+    ref_model, ref, _ = train_in_process("ddp", steps=6, model_kwargs={"tie_weights": True})
+    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager"})
+    model, rec, _ = train_in_process(strategy, steps=6, model_kwargs={"tie_weights": True})
+    counts = [c["model.tok_emb.weight"] for c in rec.ready_counts]
+    assert counts == [1] * 6
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_two_process_block_applied_twice(tmp_path):
+    """Block 0 applied twice per step (block_schedule 0,0,1) with per-block recomputation, gloo, 2
+    processes: parity with "ddp"; block 0's weights report ready twice per iteration (one nested backward
+    per application), block 1's once, eager and replayed."""
+    common = ["--devices", "2", "--steps", "10", "--backend", "eager", "--block-schedule", "0,0,1",
+              "--recompute-blocks", "--warmup-steps", "2"]
+    ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp_static", *common)
+    cg = train_subprocess(str(tmp_path / "cg.pt"), "--strategy", "cudagraph_ddp", *common)
+    assert max_rel_diff(cg["losses"], ref["losses"]) < 1e-5
+    assert state_rel_diff(cg["state"], ref["state"]) < 1e-5
+    assert cg["stats"]["captured_runners"] == 3
+    assert cg["stats"]["forward_replays"] == 3 * (10 - 2)
+    for c in cg["ready_counts"]:
+        assert c["model.blocks.0.fc_in.weight"] == 2 and c["model.blocks.0.ln1.bias"] == 2
+        assert c["model.blocks.1.fc_in.weight"] == 1

@@ -3,6 +3,7 @@
 Imports only torch.
 """
 
+from .buffer_reuse import BufferReuseError
 from .checkpointing import CheckpointWithoutOutput, checkpoint
 from .manager import GraphManager, GraphStats
 from .options import GraphOptions
@@ -11,6 +12,7 @@ from .signature import GraphSignatureError
 from .state import is_graph_capturing, is_graph_warmup
 
 __all__ = [
+    "BufferReuseError",
     "CheckpointWithoutOutput",
     "GraphCaptureError",
     "GraphManager",

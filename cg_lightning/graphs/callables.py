@@ -54,6 +54,7 @@ def make_graphed_callables(
     pool=None,
     sample_kwargs: Optional[Union[dict, Tuple[dict, ...]]] = None,
     backend: str = "auto",
+    reuse_graph_buffers: bool = False,
 ):
     """Capture callables' forward and backward into graphs; return graphed versions.
 
@@ -71,6 +72,11 @@ def make_graphed_callables(
         pool: a memory pool handle to share with other graphs (CUDA backend).
         sample_kwargs: keyword arguments (dict, or tuple of dicts) of the sample call.
         backend: ``"auto"``, ``"cuda"`` or ``"eager"``.
+        reuse_graph_buffers: memory-saving mode for a tuple of callables called as a chain
+            (``f1(f0(x))``) in the given order every time: callable ``i+1``'s static inputs are callable
+            ``i``'s static outputs, static grad-outputs alias the next backward's grad-inputs, and cloned
+            parameter-gradient buffers go back to the pool after capture
+            (:mod:`cg_lightning.graphs.buffer_reuse`). Off by default.
 
     Returns:
         The graphed callable, or a tuple of them.
@@ -78,6 +84,8 @@ def make_graphed_callables(
     Raises:
         GraphCaptureError: if a callable cannot be captured (message names it and the cause).
         GraphSignatureError: at call time, if the arguments differ from the samples.
+        BufferReuseError: at call time, in memory-saving mode, if callable ``i+1`` is not given callable
+            ``i``'s output.
         ValueError: on mismatched lengths of ``callables``/``sample_args``/``sample_kwargs``.
     """
     single = not isinstance(callables, tuple)
@@ -109,7 +117,7 @@ def make_graphed_callables(
         )
     owners = [m for m in modules if m is not None]
     holder = nn.ModuleList(owners)
-    capture_in_order(runners, holder, owners, restore_grads=False)
+    capture_in_order(runners, holder, owners, restore_grads=False, reuse_buffers=reuse_graph_buffers)
     results = []
     for fn, module, runner in zip(callables, modules, runners):
         if module is not None:

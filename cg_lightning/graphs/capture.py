@@ -8,21 +8,41 @@ from typing import List, Sequence
 import torch
 import torch.nn as nn
 
+from .buffer_reuse import (
+    release_param_grad_outputs,
+    share_grad_outputs_with_next_grad_inputs,
+    share_inputs_with_previous_outputs,
+)
 
-def capture_in_order(runners: Sequence, model: nn.Module, layers: List[nn.Module], restore_grads: bool = True) -> None:
+
+def capture_in_order(
+    runners: Sequence,
+    model: nn.Module,
+    layers: List[nn.Module],
+    restore_grads: bool = True,
+    reuse_buffers: bool = False,
+) -> None:
     """Warm up every runner, capture the forwards in order and the backwards in reverse order.
 
     That is the order in which they replay, so one shared memory pool is safe. ``main_grad``,
     ``param.grad`` (unless ``restore_grads`` is false), the layers' buffers and RNG states are restored
-    afterwards, and autocast's weight-cast cache is off throughout.
+    afterwards, and autocast's weight-cast cache is off throughout. ``reuse_buffers``: the runners form a
+    chain and share static buffers (:mod:`cg_lightning.graphs.buffer_reuse`).
     """
     with _preserved_training_state(model, layers, restore_grads), _uncached_autocast():
         for runner in runners:
             runner.warmup()
-        for runner in runners:
+        for i, runner in enumerate(runners):
+            if reuse_buffers and i > 0:
+                share_inputs_with_previous_outputs(runners[i - 1], runner)
             runner.capture_forward()
-        for runner in reversed(runners):
+        for i in reversed(range(len(runners))):
+            runner = runners[i]
+            if reuse_buffers and i + 1 < len(runners):
+                share_grad_outputs_with_next_grad_inputs(runner, runners[i + 1])
             runner.capture_backward()
+            if reuse_buffers:
+                release_param_grad_outputs(runner)
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ from typing import Callable, List, Optional, Sequence, Set
 
 import torch
 
+from .buffer_reuse import check_shared_inputs
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .discovery import owned_parameters, params_to_backprop, reachable_leaves
 from .signature import CallSignature
@@ -113,6 +114,8 @@ class LayerGraphRunner:
         self.hidden_params: List[torch.nn.Parameter] = []
         #: the parameters the replay node takes as inputs (autograd edges to their AccumulateGrad nodes)
         self.edge_params: List[torch.nn.Parameter] = []
+        #: static inputs that alias the previous runner's static outputs (memory-saving mode)
+        self.shared_inputs: List[int] = []
         self.replay_plan: List[Callable[[], None]] = []
         self.clone_slots: List[bool] = []
         self.output_requires_grad: List[bool] = []
@@ -321,6 +324,8 @@ class LayerGraphRunner:
 
     # ----------------------------------------------------------------- replay
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> tuple:
+        if self.shared_inputs:
+            check_shared_inputs(self, inputs)
         with torch.no_grad():
             for static, x in zip(self.static_inputs, inputs):
                 if static.data_ptr() != x.data_ptr():
