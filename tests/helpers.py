@@ -125,6 +125,6 @@ def state_rel_diff(sa: Dict[str, torch.Tensor], sb: Dict[str, torch.Tensor]) -> 
     assert sa.keys() == sb.keys()
     worst = 0.0
     for k in sa:
-        a, b = sa[k].double(), sb[k].double()
+        a, b = sa[k].detach().cpu().double(), sb[k].detach().cpu().double()
         worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
     return worst

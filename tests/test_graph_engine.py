@@ -304,3 +304,53 @@ def test_shape_policy_eager_and_error():
 
     with pytest.raises(GraphSignatureError, match=r"args\[0\]: captured Tensor\[8, 16\] float32 on cpu, requires_grad, got Tensor\[3, 16\]"):
         engine(torch.randn(3, 16))
+
+
+class _SyncLayer(torch.nn.Module):
+    """A layer with a host synchronization: a data-dependent branch (bool(tensor) -> .item())."""
+
+    def __init__(self, d: int, recompute: bool = True) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.mean() > 0:
+            y = y * 2
+        return y
+
+
+class _PrintLayer(_SyncLayer):
+    def forward(self, x):
+        y = self.lin(x)
+        print(y.sum())
+        return y
+
+
+@pytest.mark.parametrize("layer_cls,what", [(_SyncLayer, r"bool\(tensor\)"), (_PrintLayer, "printing a tensor")])
+def test_host_sync_inside_a_graphed_layer_is_a_named_error(layer_cls, what):
+    """The eager backend refuses what CUDA capture refuses: the error names the layer, the operation and the
+    source line."""
+    from cg_lightning import GraphCaptureError
+
+    torch.manual_seed(0)
+    model = em.Stack(layer_cls, 16, 2)
+    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    manager.begin_step(0)
+    model(torch.randn(4, 16)).backward()
+    manager.begin_step(1)
+    with pytest.raises(GraphCaptureError, match=rf"layer 'layers\.0'.*{what}.*test_graph_engine\.py\", line \d+, in forward"):
+        model(torch.randn(4, 16))
+
+
+def test_hooks_on_submodules_are_refused_at_capture():
+    from cg_lightning import GraphCaptureError
+
+    model = em.Stack(em.SeedLayer, 16, 1, recompute=False)
+    model.layers[0].projection.register_forward_hook(lambda *a: None)
+    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    manager.begin_step(0)
+    model(torch.randn(4, 16)).backward()
+    manager.begin_step(1)
+    with pytest.raises(GraphCaptureError, match=r"forward hook on submodule 'projection' would run once at capture"):
+        model(torch.randn(4, 16))

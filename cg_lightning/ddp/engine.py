@@ -53,7 +53,9 @@ class DataParallelEngine(nn.Module):
             make the legacy stream depend on a capturing blocking stream". Lightning builds torch DDP on
             a side stream for the same reason.
 
-    ``forward`` calls ``module``. Parameters and buffers are broadcast from rank 0 at construction.
+    ``forward`` calls ``module``. Parameters and buffers are broadcast from rank 0 at construction;
+    with ``options.broadcast_buffers`` the buffers are broadcast again, in place, before forwards (see
+    :meth:`forward`).
 
     Raises:
         GradSyncError: from :meth:`finish_grad_sync` (see the module docstring).
@@ -100,6 +102,17 @@ class DataParallelEngine(nn.Module):
                 acc = p.view_as(p).grad_fn.next_functions[0][0]
                 self._hook_handles.append(acc.register_hook(self._make_hook(p)))
                 self._grad_accs.append(acc)
+        # Gradients reach main_grad on the training stream (graph replays, the optimizer) and on the
+        # accumulator stream (the hooks of eagerly computed gradients). A bucket's all-reduce is issued
+        # from a hook in the middle of the backward, so it goes out on its own stream after both.
+        self._grad_streams: List["torch.cuda.Stream"] = []
+        self._comm_stream: Optional["torch.cuda.Stream"] = None
+        device = self.params[0].device if self.params else torch.device("cpu")
+        if device.type == "cuda" and self.distributed and self.world_size > 1:
+            self._grad_streams = [torch.cuda.current_stream(device)]
+            if grad_accumulator_stream is not None:
+                self._grad_streams.append(grad_accumulator_stream)
+            self._comm_stream = torch.cuda.Stream(device=device)
         self.sync_enabled = True
         self.golden_known = False
         self.iteration = 0
@@ -107,13 +120,38 @@ class DataParallelEngine(nn.Module):
         self.last_dispatch_order: List[int] = []
         self.last_ready_counts: Dict[str, int] = {}  # grad-ready count per parameter name, last iteration
         self._next_dispatch = 0
+        self._buffer_sync_due = True  # torch DDP's require_forward_param_sync: the first forward syncs
         self._control_group = None
         if self.distributed and self.world_size > 1 and self.options.check_grad_ready:
             timeout = datetime.timedelta(seconds=self.options.timeout_s)
             self._control_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        """Call ``module``; first broadcast its buffers from rank 0 if they are due (``broadcast_buffers``).
+
+        They are due, as in torch DDP, before the first forward and before every forward that follows one
+        run with grad enabled and gradient sync on (not under :meth:`no_sync`). The broadcast writes into
+        the existing tensors, so graphs captured on them stay valid.
+        """
+        if self._buffer_sync_due and self.options.broadcast_buffers and self.distributed and self.world_size > 1:
+            self._broadcast_buffers()
+        out = self.module(*args, **kwargs)
+        self._buffer_sync_due = torch.is_grad_enabled() and self.sync_enabled
+        return out
+
+    def _broadcast_buffers(self) -> None:
+        buffers = [b for b in self.module.buffers()]  # looked up every time: a module may reassign one
+        if not buffers:
+            return
+        with torch.no_grad():
+            coalesced = getattr(dist, "_broadcast_coalesced", None)
+            if coalesced is not None:
+                # group-local source rank; copies back into the tensors it was given
+                coalesced(self.group, buffers, 250 * 1024 * 1024, 0)
+                return
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            for b in buffers:
+                dist.broadcast(b, src=src, group=self.group)
 
     # ----------------------------------------------------------------- hooks
     def _make_hook(self, param: nn.Parameter):
@@ -155,7 +193,13 @@ class DataParallelEngine(nn.Module):
             bucket = buckets[self._next_dispatch]
             self._next_dispatch += 1
             self.dispatch_log.append(bucket.index)
-            bucket.dispatch(self.group, self.world_size, self.options.average)
+            if self._comm_stream is None:
+                bucket.dispatch(self.group, self.world_size, self.options.average)
+                continue
+            with torch.cuda.stream(self._comm_stream):
+                for stream in self._grad_streams:
+                    self._comm_stream.wait_stream(stream)
+                bucket.dispatch(self.group, self.world_size, self.options.average)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -14,7 +14,8 @@ the static tensors of that run; ``graph.replay()`` recomputes them in place.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import contextlib
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
@@ -57,6 +58,10 @@ class EagerBackend:
     def new_pool(self) -> None:
         return None
 
+    def warmup_stream(self) -> contextlib.AbstractContextManager:
+        """Context for eager warmup passes (nothing to do without CUDA)."""
+        return contextlib.nullcontext()
+
     def capture(self, body: Body, pool=None) -> CapturedGraph:
         return _EagerGraph(body, _detached(body()))
 
@@ -87,6 +92,21 @@ class CudaBackend:
 
     def new_pool(self):
         return torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def warmup_stream(self) -> Iterator[None]:
+        """Run warmup passes on the capture stream, ordered after the current stream's work.
+
+        Libraries initialise per-stream state lazily (cuBLAS binds a workspace to each handle and stream on
+        first use); that must happen before capture, not inside it, or the captured GEMM fails with
+        ``CUBLAS_STATUS_EXECUTION_FAILED``. The torch documentation asks for side-stream warmup for the
+        same reason.
+        """
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
 
     def capture(self, body: Body, pool=None) -> CapturedGraph:
         graph = torch.cuda.CUDAGraph()

@@ -31,7 +31,8 @@ def capture_in_order(
     """
     with _preserved_training_state(model, layers, restore_grads), _uncached_autocast():
         for runner in runners:
-            runner.warmup()
+            with runner.backend.warmup_stream():
+                runner.warmup()
         for i, runner in enumerate(runners):
             if reuse_buffers and i > 0:
                 share_inputs_with_previous_outputs(runners[i - 1], runner)

@@ -44,6 +44,7 @@ import torch
 
 from .buffer_reuse import check_shared_inputs
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
+from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
 from .discovery import owned_parameters, params_to_backprop, reachable_leaves
 from .signature import CallSignature
 from .state import graph_capture, graph_warmup, grad_ready_reporter, recording_grad_ready
@@ -191,8 +192,15 @@ class LayerGraphRunner:
             self._out_spec = spec
             return list(outs)
 
+        hooks = hooks_inside(self.module)
+        if hooks:
+            raise GraphCaptureError(
+                f"could not capture layer {self.name!r}: {', '.join(hooks)} would run once at capture and never "
+                "at replay. Remove those hooks, register them on the graphed layer itself, or leave the layer "
+                "out of graphs.layers."
+            )
         try:
-            with recording_bypassed_regions() as regions:
+            with recording_bypassed_regions() as regions, refuse_host_sync():
                 self._fwd = self.backend.capture(body, self.pool)
         except GraphCaptureError:
             raise
@@ -287,7 +295,7 @@ class LayerGraphRunner:
             self._autograd_outputs = None
             return
         try:
-            with graph_capture(), recording_grad_ready() as occurrences:
+            with graph_capture(), recording_grad_ready() as occurrences, refuse_host_sync():
                 self._recording = occurrences
                 self._bwd = self.backend.capture(self._backward_body, self.pool)
         except GraphCaptureError:
@@ -368,6 +376,12 @@ class LayerGraphRunner:
 
 def _capture_failure(name: str, what: str, exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, HostSyncError):
+        return (
+            f"could not capture the {what} of layer {name!r}: {text}. A graph replays device work only; the "
+            "host would never see that value again. Compute it outside the layer (or keep it on the device), "
+            "or leave the layer out of graphs.layers (graphs.on_capture_error='eager' runs it eagerly)."
+        )
     hints = []
     low = text.lower()
     if "capture" in low and ("sync" in low or "not permitted" in low or "operation not permitted" in low):

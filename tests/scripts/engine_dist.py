@@ -36,13 +36,23 @@ def main() -> None:
     ap.add_argument("--scenario", required=True, choices=["overlap", "missing", "stuck", "golden"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout-s", type=float, default=10.0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: NCCL, one GPU per rank, real CUDA graphs (the GPU machine)")
     a = ap.parse_args()
-    dist.init_process_group("gloo")
+    if a.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = em.Stack(em.SeedLayer, 16, 4, recompute=True)
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
-    engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=16 * 17 * 4 / 2**20, timeout_s=a.timeout_s))
+    model = em.Stack(em.SeedLayer, 16, 4, recompute=True).to(device)
+    options = GraphOptions(warmup_steps=1, backend="cuda" if a.device == "cuda" else "eager", layers=["layers.*"])
+    manager = GraphManager(model, options, device)
+    engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=16 * 17 * 4 / 2**20, timeout_s=a.timeout_s),
+                                grad_accumulator_stream=getattr(manager.backend, "stream", None))
     events = []
     result = {"rank": rank, "buckets": len(engine.buckets)}
 
@@ -64,7 +74,7 @@ def main() -> None:
     start = None
     try:
         for it in range(4):
-            x = torch.randn(8, 16, generator=g)
+            x = torch.randn(8, 16, generator=g).to(device)
             events.clear()
             manager.begin_step(it)
             if a.scenario == "missing" and it == 2 and rank == 1:
@@ -93,6 +103,8 @@ def main() -> None:
             manager.end_step()
             start = time.time()
             engine.finish_grad_sync()
+            if a.device == "cuda":
+                torch.cuda.synchronize()
             if it == 2:
                 result["events"] = list(events)
                 result["dispatch_order"] = engine.last_dispatch_order

@@ -1,0 +1,130 @@
+"""Refusing what a CUDA graph cannot hold, with a message that says where it happened.
+
+A captured graph replays device work only. Three things in a graphed layer break that silently or loudly:
+
+* **host synchronizations**: ``.item()``, ``bool(tensor)`` (data-dependent ``if``), printing a tensor,
+  ``.tolist()``, ``.nonzero()``, ``torch.unique``, ``masked_select``: the host waits for a value that a
+  replay would never recompute. CUDA refuses them during capture with an opaque error; the eager backend
+  would not notice at all. :class:`RefuseHostSync` (a ``TorchDispatchMode`` active while a forward or
+  backward is captured, on every backend) raises :class:`HostSyncError` naming the operation and the
+  user's source line instead, so CPU CI sees the same failure as a GPU;
+* **hooks on submodules** of a graphed layer (and global module hooks): they run once, at capture, and
+  never at replay. Hooks on the graphed layer itself are fine (they run around every replay).
+  :func:`hooks_inside` lists them.
+
+Raises are turned into :class:`~cg_lightning.graphs.runner.GraphCaptureError` by the runner.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+
+#: Operations whose result the host must read (or whose output shape depends on data).
+_SYNC_OP_NAMES = {
+    "_local_scalar_dense": ".item() / bool(tensor) / float(tensor) / printing a tensor",
+    "nonzero": ".nonzero() (output shape depends on the data)",
+    "masked_select": "masked_select / boolean-mask indexing (output shape depends on the data)",
+    "_unique2": "torch.unique (output shape depends on the data)",
+    "unique_consecutive": "torch.unique_consecutive (output shape depends on the data)",
+    "unique_dim": "torch.unique(dim=...) (output shape depends on the data)",
+    "equal": "torch.equal (returns a Python bool)",
+    "is_nonzero": "bool(tensor) (data-dependent control flow)",
+}
+SYNC_OPS = {
+    getattr(_aten, name).default: what for name, what in _SYNC_OP_NAMES.items() if hasattr(_aten, name)
+}
+
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+
+
+class HostSyncError(RuntimeError):
+    """A host synchronization inside a graphed layer (see the module docstring)."""
+
+
+def _user_frame() -> Optional[str]:
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_SKIP_DIRS) and "/lightning/" not in path:
+            return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
+    return None
+
+
+class RefuseHostSync(TorchDispatchMode):
+    """Raise :class:`HostSyncError` on any operation of :data:`SYNC_OPS`."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        what = SYNC_OPS.get(func)
+        if what is not None:
+            where = _user_frame()
+            raise HostSyncError(
+                f"host synchronization {func.__name__.split('.')[0]} ({what})"
+                + (f" at {where}" if where else "")
+            )
+        return func(*args, **(kwargs or {}))
+
+
+#: Tensor methods that hand tensor data to Python (on a CPU tensor they never reach the dispatcher).
+_HOST_READS = {
+    torch.Tensor.__repr__: "printing a tensor",
+    torch.Tensor.__str__: "printing a tensor",
+    torch.Tensor.__format__: "formatting a tensor into a string",
+    torch.Tensor.tolist: ".tolist()",
+    torch.Tensor.numpy: ".numpy()",
+    torch.Tensor.item: ".item()",
+    torch.Tensor.__bool__: "bool(tensor) (data-dependent control flow)",
+    torch.Tensor.__int__: "int(tensor)",
+    torch.Tensor.__float__: "float(tensor)",
+}
+
+
+class RefuseHostReads(TorchFunctionMode):
+    """Raise :class:`HostSyncError` when a tensor's data is read by Python (printing, ``.tolist()``, ...)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        what = _HOST_READS.get(func)
+        if what is not None:
+            where = _user_frame()
+            raise HostSyncError(f"host read of tensor data: {what}" + (f" at {where}" if where else ""))
+        return func(*args, **(kwargs or {}))
+
+
+class refuse_host_sync:
+    """Both refusals together (context manager): active while a forward or backward is captured."""
+
+    def __enter__(self):
+        self._modes = [RefuseHostReads(), RefuseHostSync()]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        return False
+
+
+def hooks_inside(layer: torch.nn.Module) -> List[str]:
+    """Descriptions of the module hooks that would run only at capture: on submodules, or global ones."""
+    found = []
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    for name, module in layer.named_modules():
+        if module is layer:
+            continue
+        for kind in kinds:
+            hooks = getattr(module, kind, None)
+            if hooks:
+                found.append(f"{kind.strip('_').replace('_', ' ')[:-1]} on submodule {name!r}")
+    g = torch.nn.modules.module
+    for attr in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks"):
+        if getattr(g, attr, None):
+            found.append(f"global module hook ({attr.strip('_').replace('_', ' ')})")
+    return found
