@@ -2,9 +2,15 @@
 
 Configuration files are merged in order, then the ``dotted.key=value`` overrides (see
 :func:`cg_lightning.config.load_config`). ``--print-config`` prints the resolved configuration as
-YAML and exits without building anything; that output is itself a valid ``--config``. A
-configuration error is printed as ``error: ...`` on stderr and exits with status 2 before any
-object is built or any step runs.
+YAML and exits without building anything; that output is itself a valid ``--config``. The run's
+resolved configuration is saved as ``config.yaml`` in its log folder.
+
+A configuration error is printed as ``error: ...`` on stderr (one line per problem, each naming the
+key, the file it came from and what was expected) and exits with status 2 before any training step
+runs: problems of the files and overrides before any object is built, settings that conflict with
+the model (:func:`cg_lightning.config.conflicts.check_model`) before the trainer runs, and training
+data that conflicts with ``strategy.graphs.shape_policy: error`` at the start of training, before
+its first batch (:class:`cg_lightning.config.conflicts.ShapePolicyDataCheck`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from cg_lightning.config import (
     config_to_yaml,
     load_config,
 )
+from cg_lightning.config.conflicts import check_model
 
 __all__ = ["build_parser", "main"]
 
@@ -69,19 +76,6 @@ def _report(error: ConfigError) -> None:
         print(f"error: {line}", file=sys.stderr)
 
 
-def _check_graph_layers(cfg, model) -> None:
-    """Refuse, before training, graph layer patterns that match no module of the model."""
-    graphs = cfg.strategy.graphs
-    if cfg.strategy.name != "cudagraph_ddp" or not graphs.enabled:
-        return
-    from .graphs.selection import select_layers
-
-    try:
-        select_layers(model, graphs.layers)
-    except ValueError as exc:
-        raise ConfigError(f"strategy.graphs.layers: {exc}") from exc
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the process exit status."""
     parser = build_parser()
@@ -105,15 +99,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         seed_everything(cfg.seed, workers=True)
         model = build_model(cfg)
-        _check_graph_layers(cfg, model)
+        check_model(cfg, model, args.command)
         datamodule = build_datamodule(cfg)
         trainer = build_trainer(cfg)
     except ConfigError as error:
         _report(error)
         return EXIT_CONFIG_ERROR
 
-    if args.command == "fit":
-        trainer.fit(model, datamodule=datamodule, ckpt_path=args.ckpt_path)
-    else:
-        trainer.validate(model, datamodule=datamodule, ckpt_path=args.ckpt_path)
+    try:
+        if args.command == "fit":
+            trainer.fit(model, datamodule=datamodule, ckpt_path=args.ckpt_path)
+        else:
+            trainer.validate(model, datamodule=datamodule, ckpt_path=args.ckpt_path)
+    except ConfigError as error:  # refused at the start of the run (e.g. ShapePolicyDataCheck)
+        _report(error)
+        return EXIT_CONFIG_ERROR
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, Optional
+
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import nn
@@ -63,3 +65,28 @@ class NotACallback:
 
     def __init__(self, **kwargs) -> None:
         self.kwargs = kwargs
+
+
+class ManualRegressor(TinyRegressor):
+    """``TinyRegressor`` with manual optimization (``automatic_optimization = False``)."""
+
+    def __init__(self, in_features: int = 4, hidden: int = 8, lr: float = 0.1) -> None:
+        super().__init__(in_features=in_features, hidden=hidden, lr=lr)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+class ChoiceCallback(Callback):
+    """A callback whose arguments carry ``Literal`` and ``Optional`` annotations."""
+
+    def __init__(self, mode: Literal["min", "max"] = "min", patience: Optional[int] = None) -> None:
+        self.mode = mode
+        self.patience = patience

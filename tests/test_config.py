@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -31,7 +31,16 @@ from cg_lightning.ddp.options import DDPOptions
 from cg_lightning.graphs.options import GraphOptions
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted(REPO.glob("configs/**/*.yaml"))
+# configs/accelerate/ holds Accelerate launcher configs (`accelerate launch --config_file ...`), which are
+# not RunConfig files: they are skipped here on purpose. Every other YAML file under configs/, in any
+# subfolder, must load, validate and build.
+NOT_OUR_SCHEMA = ("configs/accelerate/",)
+SHIPPED = sorted(
+    p
+    for pattern in ("configs/**/*.yaml", "configs/**/*.yml")
+    for p in REPO.glob(pattern)
+    if not p.relative_to(REPO).as_posix().startswith(NOT_OUR_SCHEMA)
+)
 
 HELPERS = "tests.helpers_config"
 
@@ -82,7 +91,7 @@ def error_of(config_files=(), overrides=()) -> str:
 
 def test_configs_are_shipped():
     names = {p.name for p in SHIPPED}
-    assert {"gpt_tiny.yaml", "gpt_small.yaml"} <= names
+    assert {"gpt_tiny.yaml", "gpt_small.yaml", "gpt_small_multigpu.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.relative_to(REPO).as_posix())
@@ -120,6 +129,26 @@ def test_shipped_config_print_round_trips(path: Path, tmp_path: Path, capsys, mo
     assert main(["fit", "--config", rel, "--print-config"]) == 0
     printed = write(tmp_path, "printed.yaml", capsys.readouterr().out)
     assert load_config([printed], []) == load_config([rel], [])
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_shipped_config_callbacks_build(path: Path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_config([path.relative_to(REPO).as_posix()], [])
+    callbacks = build_callbacks(cfg)
+    assert len(callbacks) == len(cfg.callbacks)
+    assert all(isinstance(c, Callback) for c in callbacks)
+
+
+def test_gpt_small_multigpu_values(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_config(["configs/gpt_small_multigpu.yaml"], [])
+    assert cfg.trainer.accelerator == "gpu" and isinstance(cfg.trainer.devices, int) and cfg.trainer.devices >= 2
+    assert cfg.trainer.precision == "bf16-mixed"
+    assert cfg.strategy.name == "cudagraph_ddp" and cfg.strategy.graphs.enabled
+    assert cfg.data.init_args["block_size"] == cfg.model.init_args["block_size"]
+    assert cfg.data.init_args["drop_last"] is True
+    assert [type(c).__name__ for c in build_callbacks(cfg)] == ["GraphMonitor", "LearningRateMonitor"]
 
 
 def test_gpt_tiny_values(monkeypatch):
@@ -440,3 +469,221 @@ def test_init_args_survive_class_path_change_and_are_checked(base):
     assert cfg.model.init_args == {"in_features": 3, "hidden": 5}  # plain OmegaConf merge semantics
     with pytest.raises(ConfigError, match="model.init_args: tests.helpers_config.TinyData: unknown argument 'hidden'"):
         build_model(cfg)
+
+
+# ------------------------------------------------------------------- package layout and sources
+
+
+def test_public_names_of_the_config_package():
+    import cg_lightning.config as config
+
+    assert sorted(config.__all__) == sorted([
+        "ComponentConfig", "ConfigError", "RunConfig", "SaveResolvedConfig", "StrategyConfig", "TrainerConfig",
+        "build_callbacks", "build_datamodule", "build_model", "build_strategy", "build_trainer", "config_to_yaml",
+        "load_config",
+    ])
+    for name in config.__all__ + ["STRATEGY_NAMES", "LOGGERS", "CONFIG_FILENAME", "LOGGER_NAME", "COMMAND_LINE"]:
+        assert hasattr(config, name), name
+
+
+def test_loaded_config_remembers_sources(base, tmp_path):
+    from cg_lightning.config.provenance import config_sources, source_of
+
+    second = write(tmp_path, "second.yaml", "trainer:\n  max_steps: 9\n")
+    cfg = load_config([base, second], ["model.init_args.hidden=4"])
+    sources = config_sources(cfg)
+    assert sources["trainer.max_steps"] == second and sources["trainer.accelerator"] == base
+    assert sources["model.init_args.hidden"] == "command line"
+    assert source_of(cfg, "trainer.precision") is None  # schema default
+    assert config_sources(RunConfig()) == {}
+    assert cfg == load_config([base, second], ["model.init_args.hidden=4"])  # not part of equality
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches: must be an int >= 1, got 0"),
+        ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val: must be >= 0 or null"),
+        ("trainer.max_steps=-2", "trainer.max_steps: must be -1 (no limit) or an int >= 0, got -2"),
+    ],
+)
+def test_trainer_value_checks_name_key_and_source(base, override, expected):
+    assert f"command line: {expected}" in error_of([base], [override])
+
+
+# ------------------------------------------------------------------------- build errors' sources
+
+
+def test_build_errors_name_the_file(base, tmp_path):
+    typo = write(tmp_path, "typo.yaml", "model:\n  init_args:\n    hiden: 2\n")
+    with pytest.raises(ConfigError) as info:
+        build_model(load_config([base, typo], []))
+    msg = str(info.value)
+    assert msg.startswith("model.init_args: tests.helpers_config.TinyRegressor: unknown argument 'hiden'")
+    assert msg.endswith(f"(model.init_args.hiden from {typo})")
+
+    moved = write(tmp_path, "moved.yaml", "data:\n  class_path: tests.helpers_config.TinyDat\n")
+    with pytest.raises(ConfigError, match=rf"data\.class_path: .*TinyDat.*\(data\.class_path from {moved}\)"):
+        build_datamodule(load_config([base, moved], []))
+
+
+def test_init_args_checked_against_annotations(base):
+    cfg = load_config([base], ["model.init_args.hidden=abc"])
+    with pytest.raises(ConfigError) as info:
+        build_model(cfg)
+    assert str(info.value) == (
+        "model.init_args.hidden: expected int (the annotation of tests.helpers_config.TinyRegressor), "
+        "got 'abc' (model.init_args.hidden from command line)"
+    )
+    assert build_model(load_config([base], ["model.init_args.lr=1"])).lr == 1  # an int is a valid float
+
+    def callback(args: str):
+        return load_config([base], [f"callbacks=[{{class_path: {HELPERS}.ChoiceCallback, init_args: {args}}}]"])
+
+    with pytest.raises(ConfigError, match=r"callbacks\[0\]\.init_args\.mode: expected one of \('min', 'max'\)"):
+        build_callbacks(callback("{mode: median}"))
+    with pytest.raises(ConfigError, match=r"callbacks\[0\]\.init_args\.patience: expected int or null \(the .*\), got 'x'"):
+        build_callbacks(callback("{patience: x}"))
+    (built,) = build_callbacks(callback("{mode: max, patience: null}"))
+    assert built.mode == "max" and built.patience is None
+
+
+def test_trainer_rejections_name_the_key(base, tmp_path):
+    cfg = load_config([base], [f"trainer.default_root_dir={tmp_path}", "trainer.devices=abc"])
+    with pytest.raises(ConfigError) as info:
+        build_trainer(cfg)  # Lightning raises a TypeError here
+    msg = str(info.value)
+    assert msg.startswith("trainer.devices: Lightning rejected the trainer settings:")
+    assert msg.endswith("(trainer.devices from command line)")
+    if not torch.cuda.is_available():
+        cfg = load_config([base], [f"trainer.default_root_dir={tmp_path}", "trainer.accelerator=gpu"])
+        with pytest.raises(ConfigError, match=r"^trainer\.accelerator: Lightning rejected .*from command line\)$"):
+            build_trainer(cfg)
+
+
+# ------------------------------------------------------------------------- conflicting settings
+
+
+GRAPHS = ["strategy.name=cudagraph_ddp", "strategy.graphs.layers=[net.0]"]
+
+
+def test_cuda_backend_with_cpu_accelerator_refused(base):
+    msg = error_of([base], ["strategy.name=cudagraph_ddp", "strategy.graphs.backend=cuda"])
+    assert "strategy.graphs.backend: 'cuda' needs a CUDA device but trainer.accelerator is 'cpu'" in msg
+    assert f"(strategy.graphs.backend from command line, trainer.accelerator from {base})" in msg
+    # no conflict when the graphs do not run
+    load_config([base], ["strategy.name=ddp", "strategy.graphs.backend=cuda"])
+    load_config([base], ["strategy.name=cudagraph_ddp", "strategy.graphs.backend=cuda", "strategy.graphs.enabled=false"])
+
+
+def test_manual_optimization_with_cudagraph_ddp_refused(base, tmp_path, capsys, no_training):
+    root = tmp_path / "runs"
+    rc = main(["fit", "--config", base, f"trainer.default_root_dir={root}", *GRAPHS,
+               f"model.class_path={HELPERS}.ManualRegressor"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "error: strategy.name: 'cudagraph_ddp' supports automatic optimization only" in err
+    assert "tests.helpers_config.ManualRegressor sets automatic_optimization = False" in err
+    assert "expected strategy.name 'ddp' or 'auto'" in err
+    assert "(strategy.name from command line, model.class_path from command line)" in err
+    assert not root.exists()
+
+
+def test_manual_optimization_with_clipping_or_accumulation_refused(base, tmp_path, capsys, no_training):
+    root = tmp_path / "runs"
+    extra = write(tmp_path, "extra.yaml", "trainer:\n  gradient_clip_val: 0.5\n  accumulate_grad_batches: 2\n")
+    rc = main(["fit", "--config", base, "--config", extra, f"trainer.default_root_dir={root}",
+               f"model.class_path={HELPERS}.ManualRegressor"])
+    assert rc == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines  # both conflicts reported at once
+    assert lines[0].startswith("error: trainer.gradient_clip_val: Lightning clips gradients only under automatic")
+    assert lines[0].endswith(f"(trainer.gradient_clip_val from {extra}, model.class_path from command line)")
+    assert lines[1].startswith("error: trainer.accumulate_grad_batches: Lightning accumulates gradients only")
+    assert not root.exists()
+
+
+def test_manual_optimization_without_conflicts_trains(base, tmp_path):
+    root = tmp_path / "runs"
+    assert main(["fit", "--config", base, f"trainer.default_root_dir={root}",
+                 f"model.class_path={HELPERS}.ManualRegressor"]) == 0
+    assert (root / "lightning_logs" / "version_0" / "config.yaml").is_file()
+
+
+def test_manual_optimization_validates_under_cudagraph_ddp(base, tmp_path):
+    root = tmp_path / "runs"
+    assert main(["validate", "--config", base, f"trainer.default_root_dir={root}", *GRAPHS,
+                 f"model.class_path={HELPERS}.ManualRegressor"]) == 0  # no optimizer step: no conflict
+
+
+def test_partial_last_batch():
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+    from cg_lightning.config.conflicts import partial_last_batch
+
+    data = TensorDataset(torch.arange(18.0))
+    assert partial_last_batch(DataLoader(data, batch_size=4)) == (4, 4, 2)
+    assert partial_last_batch(DataLoader(data, batch_size=4, drop_last=True)) is None
+    assert partial_last_batch(DataLoader(data, batch_size=6)) is None
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)  # 9 samples per process
+    assert partial_last_batch(DataLoader(data, batch_size=4, sampler=sampler)) == (2, 4, 1)
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+    assert partial_last_batch(DataLoader(Stream(), batch_size=2)) is None  # cannot be told: not checked
+
+
+@pytest.fixture
+def no_training_step(monkeypatch):
+    import tests.helpers_config as helpers
+
+    def refuse(self, batch, batch_idx):
+        raise AssertionError("a training step ran despite the conflict")
+
+    monkeypatch.setattr(helpers.TinyRegressor, "training_step", refuse)
+
+
+SHAPE_ERROR = [*GRAPHS, "strategy.graphs.shape_policy=error", "strategy.graphs.warmup_steps=1",
+               "trainer.enable_checkpointing=false"]
+
+
+def test_shape_policy_error_with_smaller_last_batch_refused(base, tmp_path, capsys, no_training_step):
+    root = tmp_path / "runs"
+    rc = main(["fit", "--config", base, f"trainer.default_root_dir={root}", *SHAPE_ERROR,
+               "data.init_args.n=18", "trainer.max_steps=6"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "error: strategy.graphs.shape_policy: 'error' cannot work with this training data" in err
+    assert "after 4 full batches of 4, with a batch of 2" in err
+    assert "drop_last=True in the training DataLoader" in err  # TinyData takes no drop_last argument
+    assert f"(strategy.graphs.shape_policy from command line, data.class_path from {base})" in err
+
+
+def test_shape_policy_error_conflict_is_real(base, tmp_path, monkeypatch):
+    """Without the check, the smaller last batch fails in the middle of training."""
+    from cg_lightning.config.conflicts import ShapePolicyDataCheck
+    from cg_lightning.graphs import GraphSignatureError
+
+    monkeypatch.setattr(ShapePolicyDataCheck, "on_train_start", lambda self, trainer, pl_module: None)
+    cfg = load_config([base], [f"trainer.default_root_dir={tmp_path}", *SHAPE_ERROR, "data.init_args.n=18",
+                               "trainer.max_steps=6", "trainer.logger=none"])
+    trainer = build_trainer(cfg)
+    with pytest.raises(GraphSignatureError):
+        trainer.fit(build_model(cfg), datamodule=build_datamodule(cfg))
+    assert trainer.global_step == 4  # the four full batches trained, the fifth (2 samples) failed
+
+
+@pytest.mark.parametrize("overrides", [["data.init_args.n=16"], ["data.init_args.n=18", "trainer.max_steps=4"]],
+                         ids=["divisible", "stops-before-the-smaller-batch"])
+def test_shape_policy_error_accepted_when_it_can_work(base, tmp_path, overrides):
+    root = tmp_path / "runs"
+    assert main(["fit", "--config", base, f"trainer.default_root_dir={root}", *SHAPE_ERROR, *overrides]) == 0
+
+
+def test_missing_value_names_expected_type(tmp_path):
+    cfg_file = write(tmp_path, "cb.yaml", "callbacks:\n  - init_args: {tag: x}\n")
+    msg = error_of([cfg_file])
+    assert msg.startswith("callbacks[0].class_path: missing value") and msg.endswith("; expected str")
+    assert error_of([], ["model.init_args.hidden=???"]).endswith("; expected any value")  # free-form init_args
