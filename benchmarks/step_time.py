@@ -1,149 +1,261 @@
-"""Step time of the example GPT under several training setups, side by side in one process.
+"""Step time of the example GPT under six training setups, side by side in one process.
 
-    python benchmarks/step_time.py --size tiny --steps 60 --repeats 3 --out benchmarks/results
+On a GPU, from the repository root::
 
-Peers (each at the same precision, model, data and optimizer):
-  * ``lightning_ddp``: Lightning ``strategy="ddp"``, eager.
-  * ``cudagraph_ddp``: this project's strategy with per-layer CUDA graphs.
-Each peer trains ``--steps`` steps ``--repeats`` times; the time of the steps after ``--skip`` (warmup and
-capture) is measured with a device synchronization at both ends. Reports the median ms/step, the ratio
-to ``lightning_ddp``, peak memory and graph capture time, as JSON and Markdown naming GPU and versions.
+    python -m benchmarks.step_time --sizes tiny small compute          # all peers, 5 x 30 timed steps
+    python -m benchmarks.step_time --sizes tiny --peers lightning_ddp cudagraph_ddp --repeats 7
+    python -m benchmarks.step_time --smoke --out /tmp/bench             # CPU, 2 steps a peer: code paths only
+
+Peers (same GPT, random-token data, bf16 autocast over fp32 weights, AdamW(fused=True) on GPU):
+
+* ``lightning_ddp``: Lightning ``strategy="ddp"``, eager.
+* ``torch_ddp``: plain loop over torch ``DistributedDataParallel`` (world size 1), eager.
+* ``torch_ddp_graphed``: the same with ``torch.cuda.make_graphed_callables`` on every block.
+* ``compile_reduce_overhead``: ``torch.compile(model, mode="reduce-overhead")``, plain loop.
+* ``whole_step_graph``: forward, backward and optimizer step in one CUDA graph (the limit).
+* ``cudagraph_ddp``: Lightning with this project's strategy.
+
+Each peer runs ``--warmup`` steps, then ``--repeats`` windows of ``--steps`` steps; the device is synchronized at
+window boundaries only. Reported per size and peer: median ms/step, min/max over the windows, ratios to
+``lightning_ddp`` and to ``whole_step_graph``, peak memory, capture/compile time and the last loss. A peer that
+fails becomes an error row; peers that need CUDA are skipped on a CPU. Output: ``step_time_<GPU>_<sizes>`` as
+``.json``, ``.md`` and ``.png`` (when matplotlib is installed) in ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
+import traceback
+from typing import Any, Dict, List, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: python benchmarks/step_time.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
 
-import cg_lightning
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from benchmarks import report
+from benchmarks.common import (
+    SIZES,
+    SMOKE_SIZE,
+    SMOKE_SIZE_NAME,
+    SMOKE_VOCAB_SIZE,
+    VOCAB_SIZE,
+    RunSettings,
+    destroy_process_group,
+    free_memory,
+    mib,
+    optimizer_description,
+)
+from benchmarks.peers import PEER_NAMES, Peer, all_peers
 
-SIZES = {
-    "tiny": dict(d_model=256, n_layer=12, n_head=4, block_size=128, batch_size=8),
-    "small": dict(d_model=768, n_layer=12, n_head=12, block_size=512, batch_size=8),
-    "large": dict(d_model=2048, n_layer=8, n_head=16, block_size=1024, batch_size=8),
-}
-
-
-class StepTimer(Callback):
-    def __init__(self, skip: int) -> None:
-        self.skip = skip
-        self.t0 = None
-        self.t1 = None
-        self.steps = 0
-
-    def _sync(self):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.skip and self.t0 is None:
-            self._sync()
-            self.t0 = time.perf_counter()
-            self.first = trainer.global_step
-
-    def on_train_end(self, trainer, pl_module):
-        self._sync()
-        self.t1 = time.perf_counter()
-        self.steps = trainer.global_step - self.first
+DEFAULTS = dict(warmup=10, steps=30, repeats=5)
+SMOKE_DEFAULTS = dict(warmup=1, steps=1, repeats=2)
 
 
-def run_peer(peer: str, size: dict, steps: int, skip: int, precision: str, accelerator: str) -> dict:
-    seed_everything(0)
-    model = GPTLightningModule(
-        d_model=size["d_model"], n_layer=size["n_layer"], n_head=size["n_head"], block_size=size["block_size"],
-        lr=3e-4,
+def _names(values: Optional[Sequence[str]]) -> List[str]:
+    """Accept ``a b``, ``a,b`` or a mix."""
+    return [v for value in (values or []) for v in value.split(",") if v]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.step_time", description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    data = TextDataModule(block_size=size["block_size"], batch_size=size["batch_size"], max_bytes=8_000_000)
-    strategy = "ddp" if peer == "lightning_ddp" else cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2})
-    timer = StepTimer(skip)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(
-        accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=[timer],
+    ap.add_argument("--sizes", nargs="+", default=None, metavar="SIZE",
+                    help=f"model sizes, of {', '.join(SIZES)} (default: all)")
+    ap.add_argument("--peers", nargs="+", default=None, metavar="PEER",
+                    help=f"peers to run, in the order given, of: {', '.join(PEER_NAMES)} (default: all, in this order)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; smoke 1)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per timed window (default 30; smoke 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed windows (default 5; smoke 2)")
+    ap.add_argument("--vocab", type=int, default=None, help=f"vocabulary size (default {VOCAB_SIZE})")
+    ap.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--graph-warmup-steps", type=int, default=None,
+                    help="cudagraph_ddp: eager steps before capture, graphs.warmup_steps (default 2; smoke 1)")
+    ap.add_argument("--out", default=os.path.join(report.ROOT, "benchmarks", "results"),
+                    help="output folder (default benchmarks/results)")
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument("--no-png", action="store_true", help="do not draw the bar chart")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of the code paths: tiny size shrunk further, 2 timed steps a peer; "
+                         "peers needing CUDA are reported as skipped")
+    a = ap.parse_args(argv)
+
+    a.sizes = _names(a.sizes)
+    if a.smoke:
+        if a.sizes:
+            ap.error("--smoke runs its own size; leave out --sizes")
+        a.sizes = [SMOKE_SIZE_NAME]
+    else:
+        a.sizes = a.sizes or list(SIZES)
+        bad = [s for s in a.sizes if s not in SIZES]
+        if bad:
+            ap.error(f"unknown size(s) {bad}; choose from {list(SIZES)}")
+    a.peers = _names(a.peers) or list(PEER_NAMES)
+    bad = [p for p in a.peers if p not in PEER_NAMES]
+    if bad:
+        ap.error(f"unknown peer(s) {bad}; choose from {list(PEER_NAMES)}")
+    for key, value in (SMOKE_DEFAULTS if a.smoke else DEFAULTS).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.vocab is None:
+        a.vocab = SMOKE_VOCAB_SIZE if a.smoke else VOCAB_SIZE
+    if a.graph_warmup_steps is None:
+        a.graph_warmup_steps = 1 if a.smoke else 2
+    if a.warmup < 1 or a.steps < 1 or a.repeats < 1:
+        ap.error("--warmup, --steps and --repeats must be >= 1")
+    return a
+
+
+def settings_for(a: argparse.Namespace, size_name: str, device: torch.device) -> RunSettings:
+    size = SMOKE_SIZE if size_name == SMOKE_SIZE_NAME else SIZES[size_name]
+    return RunSettings(
+        device=device, size_name=size_name, size=dict(size), vocab_size=a.vocab, warmup=a.warmup,
+        steps=a.steps, repeats=a.repeats, seed=a.seed, lr=a.lr, cg_warmup_steps=a.graph_warmup_steps,
     )
-    trainer.fit(model, datamodule=data)
-    out = {
-        "ms_per_step": 1000 * (timer.t1 - timer.t0) / timer.steps,
-        "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
-    }
-    if peer == "cudagraph_ddp":
-        stats = strategy.last_graph_stats
-        out["capture_s"] = stats.capture_seconds
-        out["backend"] = stats.backend
-        out["replays"] = stats.forward_replays
-    return out
+
+
+def run_peer(peer: Peer, s: RunSettings) -> Dict[str, Any]:
+    """Run one peer; never raises (a failure is an error row). Frees memory before and after."""
+    row: Dict[str, Any] = {"size": s.size_name, "peer": peer.name}
+    if peer.needs_cuda and not s.is_cuda:
+        row.update(status="skipped", reason="needs CUDA")
+        return row
+    free_memory(s.device)
+    if s.is_cuda:
+        torch.cuda.reset_peak_memory_stats(s.device)
+        row["mem_at_start_mib"] = mib(torch.cuda.memory_allocated(s.device))
+    try:
+        result = peer.run(s)
+    except Exception as exc:  # noqa: BLE001 - any failure of a peer is reported, the run goes on
+        row.update(status="error", reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        result = None
+    finally:
+        cleanup_error = _cleanup(s)
+    if cleanup_error:
+        row["cleanup_error"] = cleanup_error
+    if result is None:
+        return row
+    ms = result.ms_per_step
+    row.update(
+        status="ok",
+        ms_per_step_median=statistics.median(ms),
+        ms_per_step_min=min(ms),
+        ms_per_step_max=max(ms),
+        ms_per_step_repeats=ms,
+        peak_mem_mib=mib(torch.cuda.max_memory_allocated(s.device)) if s.is_cuda else None,
+        capture_s=result.capture_s,
+        capture_what=result.capture_what,
+        warmup_s=result.warmup_s,
+        final_loss=result.final_loss,
+        extra=result.extra,
+    )
+    return row
+
+
+def _cleanup(s: RunSettings) -> Optional[str]:
+    """Destroy a process group a peer left (Lightning keeps its own until exit), free memory."""
+    problems = []
+    for what, fn in (("process group", destroy_process_group), ("memory", lambda: free_memory(s.device))):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"{what}: {type(exc).__name__}: {exc}")
+    return "; ".join(problems) or None
+
+
+def _print_row(row: Dict[str, Any]) -> None:
+    head = f"[{row['size']}] {row['peer']}:"
+    if row["status"] != "ok":
+        print(f"{head} {row['status']}: {row.get('reason', '')}", flush=True)
+        return
+    mem = f", peak {row['peak_mem_mib']:.0f} MiB" if row.get("peak_mem_mib") is not None else ""
+    cap = f", capture/compile {row['capture_s']:.2f} s" if row.get("capture_s") is not None else ""
+    print(
+        f"{head} {row['ms_per_step_median']:.2f} ms/step (min {row['ms_per_step_min']:.2f}, "
+        f"max {row['ms_per_step_max']:.2f}){mem}{cap}, last loss {row['final_loss']}",
+        flush=True,
+    )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--skip", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--precision", default="bf16-mixed")
-    ap.add_argument("--peers", default="lightning_ddp,cudagraph_ddp")
-    ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    a = ap.parse_args(argv)
-    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    size = SIZES[a.size]
-    results = {}
-    for rep in range(a.repeats):
-        for peer in a.peers.split(","):
-            r = run_peer(peer, size, a.steps, a.skip, a.precision, accelerator)
-            results.setdefault(peer, []).append(r)
-            print(f"repeat {rep} {peer}: {r}", flush=True)
-    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    import lightning
+    a = parse_args(argv)
+    device = torch.device("cpu") if a.smoke or not torch.cuda.is_available() else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not a.smoke and (a.repeats < 5 or a.steps < 30):
+        print(f"step_time: note: {a.repeats} windows of {a.steps} steps is below the 5 x 30 the results "
+              "should be quoted with", flush=True)
+    peers = all_peers()
+    env = report.environment(device)
+    sizes = {}
+    rows: List[Dict[str, Any]] = []
+    first: Optional[RunSettings] = None
+    for size_name in a.sizes:
+        s = settings_for(a, size_name, device)
+        first = first or s
+        sizes[size_name] = s.size
+        for name in a.peers:
+            row = run_peer(peers[name], s)
+            rows.append(row)
+            _print_row(row)
+    report.add_ratios(rows)
 
-    summary = {
-        "machine": machine, "torch": torch.__version__, "lightning": lightning.__version__, "size": a.size,
-        "config": size, "precision": a.precision, "steps": a.steps, "skip": a.skip, "repeats": a.repeats,
-        "peers": {},
+    assert first is not None
+    doc = {
+        "benchmark": "step_time",
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "environment": env,
+        "settings": {
+            "smoke": a.smoke,
+            "vocab_size": a.vocab,
+            "seed": a.seed,
+            "data_batches": first.data_batches,
+            "precision": "bf16-mixed (torch.autocast bfloat16 over fp32 weights)",
+            "optimizer": optimizer_description(first),
+            "warmup": a.warmup,
+            "steps": a.steps,
+            "repeats": a.repeats,
+            "cudagraph_ddp_graph_warmup_steps": a.graph_warmup_steps,
+            "lightning_module": "examples.gpt.GPTLightningModule with training_step = cross-entropy of model(x) "
+                                "as in the plain loops, no per-step self.log",
+            "data_loading": "pre-made CPU batches (pinned on GPU), moved with .to(device, non_blocking=True); "
+                            "Lightning: DataLoader(batch_size=None), use_distributed_sampler=False",
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        },
+        "sizes": sizes,
+        "peers": {name: peers[name].description for name in a.peers},
+        "results": rows,
     }
-    base = statistics.median(r["ms_per_step"] for r in results["lightning_ddp"]) if "lightning_ddp" in results else None
-    for peer, rs in results.items():
-        med = statistics.median(r["ms_per_step"] for r in rs)
-        summary["peers"][peer] = {
-            "ms_per_step_median": med,
-            "ms_per_step_all": [r["ms_per_step"] for r in rs],
-            "speedup_vs_lightning_ddp": (base / med) if base else None,
-            "peak_mem_mib": max((r["peak_mem_mib"] or 0) for r in rs),
-            **({"capture_s": statistics.median(r["capture_s"] for r in rs), "backend": rs[0]["backend"]}
-               if peer == "cudagraph_ddp" else {}),
-        }
     os.makedirs(a.out, exist_ok=True)
-    stem = os.path.join(a.out, f"step_time_{a.size}_{machine.replace(' ', '_')}")
-    with open(stem + ".json", "w") as f:
-        json.dump(summary, f, indent=2)
-    lines = [
-        f"# Step time, {a.size} GPT ({size}), {a.precision}, on {machine}",
-        f"torch {torch.__version__}, lightning {lightning.__version__}; median of {a.repeats} runs of "
-        f"{a.steps - a.skip} timed steps",
-        "",
-        "| peer | ms/step (median) | runs | speedup vs Lightning ddp | peak MiB | capture s |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for peer, s in summary["peers"].items():
-        runs = " / ".join(f"{x:.2f}" for x in s["ms_per_step_all"])
-        sp = f"{s['speedup_vs_lightning_ddp']:.2f}x" if s["speedup_vs_lightning_ddp"] else "-"
-        cap = f"{s['capture_s']:.2f}" if "capture_s" in s else "-"
-        lines.append(f"| {peer} | {s['ms_per_step_median']:.2f} | {runs} | {sp} | {s['peak_mem_mib']:.0f} | {cap} |")
+    if a.smoke:
+        stem = f"step_time_smoke_{device.type}"
+    else:
+        stem = f"step_time_{report.machine_slug(env)}_{'-'.join(a.sizes)}"
+    if a.tag:
+        stem += f"_{a.tag}"
+    stem = os.path.join(a.out, stem)
+    report.write_json(doc, stem + ".json")
+    text = report.markdown(doc)
     with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(text)
+    written = [stem + ".json", stem + ".md"]
+    if not a.no_png:
+        png = report.write_png(doc, stem + ".png")
+        if png:
+            written.append(png)
+    print("\n" + text, flush=True)
+    print("step_time: wrote " + ", ".join(written), flush=True)
+    failed = [f"{r['size']}/{r['peer']}" for r in rows if r["status"] == "error"]
+    if failed:
+        print(f"step_time: {len(failed)} peer(s) failed: {', '.join(failed)} (tracebacks in the JSON)",
+              file=sys.stderr, flush=True)
     return 0
 
 

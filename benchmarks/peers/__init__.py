@@ -1,0 +1,52 @@
+"""The peers of the step-time benchmark, one module each, in the order they run.
+
+Each module defines ``PEER``: a :class:`Peer` whose ``run(settings)`` trains the example GPT for
+``settings.total_steps`` steps and returns a :class:`~benchmarks.common.PeerResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict
+
+from benchmarks.common import PeerResult, RunSettings
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    run: Callable[[RunSettings], PeerResult]
+    needs_cuda: bool
+    description: str
+
+
+def all_peers() -> Dict[str, Peer]:
+    """Name -> peer, in run order."""
+    from . import (
+        compile_reduce_overhead,
+        cudagraph_ddp,
+        lightning_ddp,
+        torch_ddp,
+        torch_ddp_graphed,
+        whole_step_graph,
+    )
+
+    peers = [
+        lightning_ddp.PEER,
+        torch_ddp.PEER,
+        torch_ddp_graphed.PEER,
+        compile_reduce_overhead.PEER,
+        whole_step_graph.PEER,
+        cudagraph_ddp.PEER,
+    ]
+    return {p.name: p for p in peers}
+
+
+PEER_NAMES = (
+    "lightning_ddp",
+    "torch_ddp",
+    "torch_ddp_graphed",
+    "compile_reduce_overhead",
+    "whole_step_graph",
+    "cudagraph_ddp",
+)

@@ -1,0 +1,44 @@
+"""Peer ``cudagraph_ddp``: Lightning with ``cg_lightning.CUDAGraphDDPStrategy`` (per-layer graphs on the blocks)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from benchmarks.common import PeerResult, RunSettings, loss_value
+from benchmarks.peers import Peer
+
+
+def run(s: RunSettings) -> PeerResult:
+    import cg_lightning
+    from benchmarks.peers._lightning import fit_timed
+
+    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": s.cg_warmup_steps})
+    timing, trainer = fit_timed(s, strategy)
+    stats = getattr(trainer.strategy, "last_graph_stats", None)
+    extra = {"graph_warmup_steps": s.cg_warmup_steps}
+    notes = []
+    capture_s = None
+    if stats is not None:
+        extra["graph_stats"] = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else vars(stats)
+        capture_s = float(stats.capture_seconds)
+        if s.is_cuda and stats.backend != "cuda":
+            notes.append(f"graph backend {stats.backend!r} on a GPU")
+        if getattr(stats, "fallback_calls", 0):
+            notes.append(f"{stats.fallback_calls} layer calls fell back to eager")
+    else:
+        notes.append("the strategy kept no graph stats")
+    # Capture happens at the start of step max(1, graphs.warmup_steps) (0-based); timing starts at step `warmup`.
+    if max(1, s.cg_warmup_steps) >= s.warmup:
+        notes.append("graph capture inside the first timed window (--warmup <= --graph-warmup-steps)")
+    if notes:
+        extra["note"] = "; ".join(notes)
+    return PeerResult(
+        timing.ms_per_step, timing.warmup_s, capture_s=capture_s,
+        capture_what="graph capture (strategy.last_graph_stats.capture_seconds)",
+        final_loss=loss_value(timing.last_loss), extra=extra,
+    )
+
+
+PEER = Peer("cudagraph_ddp", run, needs_cuda=False,
+            description='Lightning Trainer(strategy=cg_lightning.CUDAGraphDDPStrategy(), devices=1, '
+                        'precision="bf16-mixed"): per-layer CUDA graphs on the blocks (eager graph backend on CPU)')

@@ -1,0 +1,17 @@
+"""Peer ``lightning_ddp``: Lightning ``Trainer(strategy="ddp", devices=1, precision="bf16-mixed")``, eager."""
+
+from __future__ import annotations
+
+from benchmarks.common import PeerResult, RunSettings, loss_value
+from benchmarks.peers import Peer
+
+
+def run(s: RunSettings) -> PeerResult:
+    from benchmarks.peers._lightning import fit_timed
+
+    timing, _ = fit_timed(s, "ddp")
+    return PeerResult(timing.ms_per_step, timing.warmup_s, final_loss=loss_value(timing.last_loss))
+
+
+PEER = Peer("lightning_ddp", run, needs_cuda=False,
+            description='Lightning Trainer(strategy="ddp", devices=1, precision="bf16-mixed"), eager')

@@ -1,0 +1,102 @@
+"""CPU checks of the step-time benchmark (``benchmarks/``): the smoke run and the error and skip rows.
+
+Times are not checked (they belong to GPU runs); these tests check that every peer gets a row, that the
+peers able to run on a CPU train the same problem, and that a failing peer does not end the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.peers import PEER_NAMES, Peer
+from tests.helpers import _DIST_VARS, ROOT
+
+CPU_PEERS = ("lightning_ddp", "torch_ddp", "cudagraph_ddp")
+CUDA_PEERS = ("torch_ddp_graphed", "compile_reduce_overhead", "whole_step_graph")
+
+
+@pytest.mark.timeout(180)
+def test_smoke_run_writes_a_row_per_peer(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "step_time_smoke_cpu.json").read_text())
+
+    assert [r["peer"] for r in doc["results"]] == list(PEER_NAMES)  # one row per peer, in run order
+    assert {r["size"] for r in doc["results"]} == {"tiny_smoke"}
+    rows = {r["peer"]: r for r in doc["results"]}
+    for name in CUDA_PEERS:
+        assert rows[name]["status"] == "skipped" and rows[name]["reason"] == "needs CUDA", rows[name]
+    for name in CPU_PEERS:
+        r = rows[name]
+        assert r["status"] == "ok", r.get("traceback", r)
+        assert len(r["ms_per_step_repeats"]) == 2 and r["ms_per_step_median"] > 0
+        assert r["ms_per_step_min"] <= r["ms_per_step_median"] <= r["ms_per_step_max"]
+        assert math.isfinite(r["final_loss"]) and r["peak_mem_mib"] is None  # no CUDA memory on a CPU
+        assert r["ratio_to_lightning_ddp"] > 0 and r["ratio_to_whole_step_graph"] is None
+    assert rows["lightning_ddp"]["ratio_to_lightning_ddp"] == 1.0
+
+    # Same model, data order and optimizer: after three steps the losses agree.
+    losses = [rows[name]["final_loss"] for name in CPU_PEERS]
+    assert max(losses) - min(losses) < 1e-3, losses
+
+    stats = rows["cudagraph_ddp"]["extra"]["graph_stats"]
+    assert stats["backend"] == "eager" and stats["captured_runners"] == 2 and stats["forward_replays"] > 0
+    assert rows["cudagraph_ddp"]["capture_s"] is not None
+
+    env_doc = doc["environment"]
+    for key in ("date", "torch", "lightning", "cg_lightning"):
+        assert env_doc[key], key
+    assert "commit" in env_doc["cg_lightning"]
+
+    md = (tmp_path / "step_time_smoke_cpu.md").read_text()
+    for name in PEER_NAMES:
+        assert f"| {name} |" in md
+    assert "skipped: needs CUDA" in md
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / "step_time_smoke_cpu.png").exists() == has_mpl
+
+
+def test_failing_peer_is_an_error_row(tmp_path, monkeypatch):
+    from benchmarks import step_time
+    from benchmarks.peers import torch_ddp
+
+    def broken(settings):
+        raise RuntimeError("peer broke on purpose")
+
+    monkeypatch.setattr(torch_ddp, "PEER", Peer("torch_ddp", broken, needs_cuda=False, description="broken"))
+    rc = step_time.main(
+        ["--smoke", "--peers", "torch_ddp,whole_step_graph", "--no-png", "--tag", "t", "--out", str(tmp_path)]
+    )
+    assert rc == 0
+    doc = json.loads((tmp_path / "step_time_smoke_cpu_t.json").read_text())
+    rows = {r["peer"]: r for r in doc["results"]}
+    assert list(rows) == ["torch_ddp", "whole_step_graph"]
+    assert rows["torch_ddp"]["status"] == "error"
+    assert "peer broke on purpose" in rows["torch_ddp"]["reason"] and "Traceback" in rows["torch_ddp"]["traceback"]
+    assert rows["whole_step_graph"]["status"] == "skipped"
+    assert "error: RuntimeError: peer broke on purpose" in (tmp_path / "step_time_smoke_cpu_t.md").read_text()
+
+
+def test_unknown_peer_or_size_is_refused():
+    from benchmarks import step_time
+
+    with pytest.raises(SystemExit) as exc:
+        step_time.parse_args(["--peers", "nope"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        step_time.parse_args(["--sizes", "huge"])
+    assert exc.value.code == 2
+    a = step_time.parse_args(["--sizes", "tiny,small", "--peers", "cudagraph_ddp", "lightning_ddp"])
+    assert a.sizes == ["tiny", "small"] and a.peers == ["cudagraph_ddp", "lightning_ddp"]
+    assert (a.warmup, a.steps, a.repeats, a.vocab) == (10, 30, 5, 50304)
