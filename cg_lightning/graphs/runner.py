@@ -12,8 +12,11 @@ applied twice per step has two runners) and one :class:`CallSignature`. Its life
 Gradient routing in the captured backward (Megatron-LM PR #6373): for every parameter in
 ``params_to_backprop`` the outer weight gradient (``autograd.grad`` result) and the gradient a nested
 recomputation backward left in ``param.grad`` are added, each once. With ``accumulate_into_main_grad`` the
-sum goes into ``param.main_grad`` inside the graph and the replay returns ``None`` for that parameter
-after setting ``param.grad_added_to_main_grad``; otherwise the sum is returned to autograd, cloned unless
+sum goes into ``param.main_grad`` inside the graph and the replay returns ``None`` for that parameter.
+It does *not* set ``param.grad_added_to_main_grad``: that flag tells the DDP hook to skip a ``param.grad``
+that merely stands for work already in ``main_grad`` (a fused kernel's placeholder); after a replay,
+``param.grad`` holds only contributions from outside the graphs (a weight also used by the head), which
+the hook must add. Otherwise the sum is returned to autograd, cloned unless
 the caller opted out or the parameter is a delayed-wgrad one (TransformerEngine PR #2937,
 pytorch/pytorch#181723). The policy is frozen at capture.
 
@@ -133,7 +136,6 @@ class LayerGraphRunner:
         self._device = first.device if first is not None else torch.device("cpu")
         self._foreign_params: List[torch.nn.Parameter] = []
         self._main_grad_params: List[torch.nn.Parameter] = []
-        self._edge_main_grad_params: List[torch.nn.Parameter] = []
         self.recorded_occurrences: List[torch.nn.Parameter] = []
 
     # ----------------------------------------------------------------- building
@@ -224,7 +226,6 @@ class LayerGraphRunner:
             self.clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False)
             for p in self.edge_params
         ]
-        self._edge_main_grad_params = [p for p in self.edge_params if id(p) in into_main_grad]
         self.static_grad_outputs = [torch.zeros_like(o) if g else None for o, g in zip(outs, self.output_requires_grad)]
 
     def _backward_body(self) -> List[Optional[torch.Tensor]]:
@@ -361,8 +362,6 @@ class LayerGraphRunner:
         it = iter(grads[:n_in])
         for t in self.static_inputs:
             input_grads.append(next(it) if t.requires_grad else None)
-        for p in self._edge_main_grad_params:  # their gradients went into main_grad inside the graph
-            p.grad_added_to_main_grad = True
         param_grads = [
             None if g is None else (g.clone() if clone else g) for g, clone in zip(grads[n_in:], self.clone_slots)
         ]
