@@ -82,3 +82,41 @@ def test_golden_counts_that_differ_across_ranks_fail_the_first_iteration(tmp_pat
         # checkpointed.* runs one nested backward per application; projection's two uses merge in one pass
         assert "golden counts" in msg and "layers.1.checkpointed.weight: rank 0=1, rank 1=2" in msg
         assert "projection" not in msg
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_average_and_sum_reduce_the_ranks_gradients(tmp_path):
+    """average=True gives the mean of the two ranks' eager gradients, average=False their sum (1e-6)."""
+    for res in _run("reduce", tmp_path):
+        assert res["average"] < 1e-6 and res["sum"] < 1e-6, res
+
+
+def test_main_grad_dtype_option():
+    """grad_dtype picks main_grad's dtype: float32 accumulation for bfloat16 parameters (exact sum of the
+    micro-batches' bf16 gradients, in fp32), and the optimizer sees param.grad in the parameter's dtype."""
+    import torch
+
+    from cg_lightning.ddp import DataParallelEngine, DDPOptions
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    ref = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    ref.load_state_dict(lin.state_dict())
+    engine = DataParallelEngine(lin, DDPOptions(grad_dtype="float32"))
+    xs = [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)]
+    expected = torch.zeros(8, 8, dtype=torch.float32)
+    with engine.no_sync():
+        for x in xs[:2]:
+            lin(x).sum().backward()
+    lin(xs[2]).sum().backward()
+    engine.finish_grad_sync()
+    for x in xs:
+        ref.zero_grad()
+        ref(x).sum().backward()
+        expected += ref.weight.grad.float()
+    assert lin.weight.main_grad.dtype == torch.float32
+    torch.testing.assert_close(lin.weight.main_grad, expected, rtol=0, atol=0)
+    engine.expose_grads()
+    assert lin.weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(lin.weight.grad, expected.to(torch.bfloat16), rtol=0, atol=0)

@@ -10,6 +10,8 @@ Scenarios (model: ``tests.engine_models.Stack`` of four graphed layers, eager gr
 * ``stuck``: in iteration 2 rank 1 fails inside a graphed layer and never reaches the end of the backward
   (it waits, as a wedged rank would); rank 0 must raise within ``timeout_s``.
 * ``golden``: in iteration 0 rank 1 applies ``layers.1`` twice; the golden counts differ across ranks.
+* ``reduce``: ``average=True`` and ``average=False``: after ``finish_grad_sync`` every ``main_grad`` is the
+  mean (sum) of the two ranks' eager gradients; the maximum relative error is reported.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tests import engine_models as em
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--scenario", required=True, choices=["overlap", "missing", "stuck", "golden"])
+    ap.add_argument("--scenario", required=True, choices=["overlap", "missing", "stuck", "golden", "reduce"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout-s", type=float, default=10.0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -47,6 +49,9 @@ def main() -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if a.scenario == "reduce":
+        _reduce(a, device, rank)
+        return
     torch.manual_seed(0)
     model = em.Stack(em.SeedLayer, 16, 4, recompute=True).to(device)
     options = GraphOptions(warmup_steps=1, backend="cuda" if a.device == "cuda" else "eager", layers=["layers.*"])
@@ -120,6 +125,31 @@ def main() -> None:
     if "error" not in result and not result.get("stuck"):
         dist.destroy_process_group()
     os._exit(0)  # never block on collectives another rank will not join
+
+
+def _reduce(a, device, rank) -> None:
+    result = {"rank": rank}
+    for average in (True, False):
+        torch.manual_seed(0)
+        model = em.Stack(em.SeedLayer, 16, 2, recompute=False).to(device)
+        ref = em.Stack(em.SeedLayer, 16, 2, recompute=False).to(device)
+        ref.load_state_dict(model.state_dict())
+        engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=0.001, average=average, timeout_s=a.timeout_s))
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 + rank)).to(device)
+        engine(x).backward()
+        engine.finish_grad_sync()
+        ref(x).backward()
+        worst = 0.0
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            grads = [torch.zeros_like(q.grad) for _ in range(2)]
+            dist.all_gather(grads, q.grad)
+            expected = (grads[0] + grads[1]) / (2 if average else 1)
+            worst = max(worst, float((p.main_grad - expected).norm() / expected.norm()))
+        result["average" if average else "sum"] = worst
+    path = os.path.join(a.out, f"rank{rank}.json")
+    with open(path, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
