@@ -43,7 +43,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
 
     Args:
         graphs: :class:`~cg_lightning.graphs.GraphOptions` (or a dict of its fields): which layers,
-            warmup steps, backend, shape policy.
+            warmup steps, backend, shape policy. A :class:`~cg_lightning.callbacks.CUDAGraphCallback` among the
+            Trainer's callbacks overrides its schedule fields at setup.
         ddp: :class:`~cg_lightning.ddp.DDPOptions` (or a dict): bucket size (MiB), averaging,
             ``main_grad`` dtype, timeout.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
@@ -106,18 +107,19 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         manager = self.graph_manager
         if manager is None:
             return super().training_step(*args, **kwargs)
-        was_captured = manager.captured
+        captures = manager.stats.captures
         manager.begin_step(self.lightning_module.trainer.global_step)
         try:
             return super().training_step(*args, **kwargs)
         finally:
             manager.end_step()
-            if manager.captured and not was_captured:
+            if manager.stats.captures != captures:
                 stats = manager.stats
                 rank_zero_info(
                     f"cg_lightning: captured {stats.captured_runners} layer calls "
                     f"({', '.join(layer.name for layer in manager.layers)}) with the {stats.backend} backend "
                     f"in {stats.capture_seconds:.2f} s"
+                    + (f" ({stats.graph_sets} graph sets)" if stats.graph_sets > 1 else "")
                 )
 
     @contextmanager

@@ -1,5 +1,6 @@
 """Lightning callbacks for graph training."""
 
 from .monitor import GraphMonitor
+from .schedule import CUDAGraphCallback
 
-__all__ = ["GraphMonitor"]
+__all__ = ["CUDAGraphCallback", "GraphMonitor"]

@@ -8,6 +8,20 @@ from typing import Optional
 from lightning.pytorch import Callback
 
 
+def graph_state(stats) -> str:
+    """``"eager"``, ``"captured N"`` (N layer calls; ``"in S sets"`` with several) and ``", fallback"``
+    when calls ran eagerly for shapes not captured or layers whose capture failed."""
+    if stats is None:
+        return ""
+    text = f"captured {stats.captured_runners}" if stats.captured_runners else "eager"
+    sets = getattr(stats, "graph_sets", 0)
+    if sets > 1:
+        text += f" in {sets} sets"
+    if stats.fallback_calls or getattr(stats, "failed_layers", None):
+        text += ", fallback"
+    return text
+
+
 class GraphMonitor(Callback):
     """Log per-layer-graph metrics every ``log_every_n_steps`` optimizer steps.
 
@@ -15,8 +29,13 @@ class GraphMonitor(Callback):
     ``graphs/captured`` (number of captured layer calls), ``graphs/replays_per_step`` (forward replays
     per training step since the last log), ``graphs/eager_fallbacks`` (calls that ran eagerly because
     their arguments differed from the captured ones, cumulative), ``graphs/capture_s`` (seconds spent
-    warming up and capturing, cumulative) and ``graphs/step_time_ms`` (wall time per training step, host
-    clock, since the last log). The number of captured graphs is also shown in the progress bar.
+    warming up and capturing, cumulative), ``graphs/step_time_ms`` (wall time per training step, host
+    clock, since the last log), ``graphs/sets`` (graph sets, one per captured input signature) and
+    ``graphs/pool_bytes`` (device memory allocated while capturing, i.e. ``torch.cuda.memory_allocated``
+    after minus before each capture, summed: the graphs' static buffers and pool; 0 on CPU).
+
+    With ``prog_bar`` the progress bar shows ``graphs/captured`` and a ``graphs`` entry with the state:
+    ``eager`` (before capture), ``captured N`` and ``, fallback`` when some calls run eagerly.
 
     Does nothing unless the strategy is ``cudagraph_ddp`` with graphs enabled.
     """
@@ -28,12 +47,36 @@ class GraphMonitor(Callback):
         self._last_batches = 0
         self._batches = 0
         self._t0: Optional[float] = None
+        self._bar = None
 
     @staticmethod
     def _stats(trainer):
         manager = getattr(trainer.strategy, "graph_manager", None)
         return None if manager is None else manager.stats
 
+    # ----------------------------------------------------------------- progress bar
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        bar = trainer.progress_bar_callback
+        if not self.prog_bar or bar is None or "get_metrics" in bar.__dict__:
+            return
+        original = bar.get_metrics
+
+        def get_metrics(trainer, pl_module):
+            metrics = original(trainer, pl_module)
+            state = graph_state(self._stats(trainer))
+            if state:
+                metrics["graphs"] = state
+            return metrics
+
+        bar.get_metrics = get_metrics  # on this instance only; removed at teardown
+        self._bar = bar
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._bar is not None:
+            self._bar.__dict__.pop("get_metrics", None)
+            self._bar = None
+
+    # ----------------------------------------------------------------- metrics
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         stats = self._stats(trainer)
         if stats is None:
@@ -53,6 +96,8 @@ class GraphMonitor(Callback):
         pl_module.log("graphs/eager_fallbacks", float(stats.fallback_calls), on_step=True)
         pl_module.log("graphs/capture_s", float(stats.capture_seconds), on_step=True)
         pl_module.log("graphs/step_time_ms", 1000.0 * (now - self._t0) / batches, on_step=True)
+        pl_module.log("graphs/sets", float(stats.graph_sets), on_step=True)
+        pl_module.log("graphs/pool_bytes", float(stats.pool_bytes), on_step=True)
         self._t0 = now
         self._last_batches = self._batches
         self._last_replays = stats.forward_replays

@@ -21,6 +21,11 @@ class DDPOptions:
         check_grad_ready: before waiting on the buckets, agree across ranks (a tiny all-reduce on a CPU
             group) that every parameter reported ready, so a missing gradient is an error on every rank
             instead of a hang. One small collective per step; only used when world size > 1.
+        broadcast_buffers: copy the module's buffers (BatchNorm running statistics, ...) from rank 0 to
+            every rank, in place, at the start of a forward, on the schedule of torch DDP's option of the
+            same name: before the first forward and before every forward that follows a forward run with
+            grad enabled and gradient sync on (so once per optimizer step under gradient accumulation,
+            and not right after a validation forward). Only used when world size > 1.
 
     Raises:
         ValueError: on a non-positive bucket size or timeout, or an unknown grad dtype.
@@ -31,6 +36,7 @@ class DDPOptions:
     grad_dtype: Optional[str] = None
     timeout_s: float = 300.0
     check_grad_ready: bool = True
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         if self.bucket_size_mb <= 0:

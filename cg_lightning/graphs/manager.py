@@ -2,38 +2,52 @@
 
 Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of every training micro-batch):
 
-* While ``global_step < warmup_steps`` layers run eagerly and each training call is recorded (layer,
-  call index within the step, signature, arguments); each step's record replaces the previous one.
-* At the first graphed call of the first step with ``global_step >= warmup_steps``, every recorded call
-  gets a :class:`LayerGraphRunner`: all are warmed up, their forwards captured in call order, then
-  their backwards in reverse order, into one memory pool, so replays in the same order are safe.
-  ``main_grad``, module buffers and RNG states are restored afterwards: capture changes no training state.
-* From then on the i-th call of a layer in a step replays runner (layer, i). A call whose arguments
-  differ from the captured ones follows ``shape_policy``; layers in eval mode and calls under
-  ``no_grad`` run eagerly.
+* During the first ``warmup_steps`` steps this manager sees (counted from the first ``begin_step``, so a
+  resumed run warms up again) layers run eagerly and each training call is recorded (layer, call index
+  within the step, signature, arguments); each step's record replaces the previous one.
+* At the first graphed call of the first step after warmup, every recorded call gets a
+  :class:`LayerGraphRunner`: all are warmed up, their forwards captured in call order, then their
+  backwards in reverse order, into one memory pool, so replays in the same order are safe. ``main_grad``,
+  module buffers and RNG states are restored afterwards: capture changes no training state. The runners
+  form a *graph set*, keyed by the signature of the step's first graphed call (:mod:`.graph_sets`).
+* Each later step picks its set at its first graphed call; the i-th call of a layer replays runner
+  (layer, i) of that set. A call whose arguments differ from its runner's follows ``shape_policy``.
+  Under ``"recapture"`` a step whose first call matches no set runs eagerly and is recorded; the next
+  step with that signature captures it as another set (same pool), up to ``max_graph_sets``.
+* A layer whose capture raises :class:`GraphCaptureError` follows ``on_capture_error``: ``"eager"``
+  drops it from the set (it runs eagerly from then on) and captures the others without it.
+
+Layers in eval mode and calls under ``no_grad`` run eagerly.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .backends import make_backend
-from .capture import capture_in_order
+from .graph_sets import CallRecord, GraphSet, GraphSetCache, StepRecord, describe
 from .options import GraphOptions
 from .replay import ReplayFunction
 from .runner import LayerGraphRunner
 from .selection import select_layers
+from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError
 
 
 @dataclass
 class GraphStats:
-    """Counters for monitoring: graphs captured, replays, eager fallbacks, capture time (seconds)."""
+    """Counters for monitoring: graphs captured, replays, eager fallbacks, capture time (seconds).
+
+    ``captured_runners`` counts runners over all graph sets; ``graph_sets`` the sets, ``captures`` the
+    capture events; ``pool_bytes`` the device memory allocated by captures (CUDA; 0 on CPU);
+    ``failed_layers`` the layers that run eagerly because their capture failed.
+    """
 
     backend: str = ""
     captured_runners: int = 0
@@ -41,6 +55,10 @@ class GraphStats:
     eager_calls: int = 0
     fallback_calls: int = 0
     capture_seconds: float = 0.0
+    graph_sets: int = 0
+    captures: int = 0
+    pool_bytes: int = 0
+    failed_layers: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -49,15 +67,7 @@ class _Layer:
     module: nn.Module
     forward: object  # the original bound forward
     warned: bool = False
-
-
-@dataclass
-class _Record:
-    layer: _Layer
-    index: int
-    signature: CallSignature
-    args: tuple
-    kwargs: dict
+    failure: Optional[str] = None  # why its capture failed (it then runs eagerly)
 
 
 class GraphManager:
@@ -65,7 +75,8 @@ class GraphManager:
 
     Args:
         model: the module whose layers are graphed (their ``forward`` is replaced until :meth:`remove`).
-        options: :class:`GraphOptions`.
+        options: :class:`GraphOptions` (read at every step: ``shape_policy`` and ``warmup_steps`` may be
+            changed before capture).
         device: the training device (picks the backend for ``backend="auto"``).
         accumulate_into_main_grad: captured backwards add weight gradients into ``param.main_grad``
             (the DDP engine's buffer) instead of returning them.
@@ -94,40 +105,63 @@ class GraphManager:
             layer = _Layer(name, module, module.forward)
             module.forward = self._make_dispatch(layer)
             self.layers.append(layer)
-        self.runners: Dict[Tuple[int, int], LayerGraphRunner] = {}
-        self.captured = False
+        self.cache = GraphSetCache(options.max_graph_sets)
+        self._warmup_record: Optional[StepRecord] = None  # the last warmup step's calls
+        self._start_step: Optional[int] = None
         self._global_step = 0
         self._calls: Dict[int, int] = {}
-        self._records: List[_Record] = []
         self._in_training_step = False
+        self._mode: Optional[str] = None  # this step: "record", "replay" or "eager"; None before its first call
+        self._recording: Optional[StepRecord] = None
+        self._active: Optional[GraphSet] = None
+        self._cache_full_warned = False
+
+    # ----------------------------------------------------------------- state
+    @property
+    def captured(self) -> bool:
+        return bool(self.cache.sets)
+
+    @property
+    def runners(self) -> Dict[Tuple[int, int], LayerGraphRunner]:
+        """The first graph set's runners by (id(layer), call index); :meth:`all_runners` for every set."""
+        return self.cache.sets[0].runners if self.cache.sets else {}
+
+    def all_runners(self) -> List[LayerGraphRunner]:
+        return self.cache.all_runners()
+
+    def signatures(self) -> List[str]:
+        """The lead signature of every captured graph set, as text (for checkpoints and logs)."""
+        return self.cache.signatures()
 
     # ----------------------------------------------------------------- schedule
     def begin_step(self, global_step: int) -> None:
-        """Start of a training micro-batch: reset call indices; keep only this step's records."""
+        """Start of a training micro-batch: reset call indices; the step's mode is set at its first call."""
+        if self._start_step is None:
+            self._start_step = global_step
+        self.cache.limit = self.options.max_graph_sets
         self._global_step = global_step
         self._calls = {}
         self._in_training_step = True
-        if not self.captured and not self.capture_due:
-            self._records = []  # keep only the last eager step's calls
+        self._mode = None
+        self._recording = None
+        self._active = None
 
     def end_step(self) -> None:
         self._in_training_step = False
 
     @property
     def capture_due(self) -> bool:
-        return (
-            self.backend is not None
-            and not self.captured
-            and self._global_step >= max(1, self.options.warmup_steps)
-        )
+        """Warmup is over (the capture happens at the first graphed call of a step from then on)."""
+        start = self._start_step if self._start_step is not None else 0
+        return self.backend is not None and self._global_step >= start + max(1, self.options.warmup_steps)
 
     def remove(self) -> None:
         """Restore every layer's original ``forward`` and drop the graphs."""
         for layer in self.layers:
             if layer.module.__dict__.get("forward") is not None:
                 del layer.module.forward
-        self.runners.clear()
-        self._records = []
+        self.cache.clear()
+        self._warmup_record = None
 
     # ----------------------------------------------------------------- dispatch
     def _make_dispatch(self, layer: _Layer):
@@ -146,19 +180,27 @@ class GraphManager:
         if not graphable:
             self.stats.eager_calls += 1
             return layer.forward(*args, **kwargs)
+        if self._mode is None:
+            self._start_of_step(args, kwargs)
+        if layer.failure is not None:
+            self.stats.eager_calls += 1
+            return layer.forward(*args, **kwargs)
         key = id(layer)
         index = self._calls.get(key, 0)
         self._calls[key] = index + 1
-        if not self.captured:
-            if self.capture_due and self._records:
-                self.capture()
-            else:
-                self._records.append(
-                    _Record(layer, index, CallSignature(args, kwargs), _detach_tree(args), _detach_tree(kwargs))
-                )
+        if self._mode == "record":
+            self._recording.calls.append(
+                CallRecord(layer, index, CallSignature(args, kwargs), _detach_tree(args), _detach_tree(kwargs))
+            )
+            if self._recording is self._warmup_record:
                 self.stats.eager_calls += 1
-                return layer.forward(*args, **kwargs)
-        runner = self.runners.get((key, index))
+            else:
+                self.stats.fallback_calls += 1
+            return layer.forward(*args, **kwargs)
+        if self._mode == "eager":
+            self.stats.fallback_calls += 1
+            return layer.forward(*args, **kwargs)
+        runner = self._active.runners.get((key, index))
         if runner is None or not runner.signature.matches(args, kwargs):
             return self._fallback(layer, index, runner, args, kwargs)
         tensors = runner.signature.tensor_leaves(args, kwargs)
@@ -166,17 +208,60 @@ class GraphManager:
         self.stats.forward_replays += 1
         return runner.output_structure(flat)
 
+    def _start_of_step(self, args: tuple, kwargs: dict) -> None:
+        """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""
+        lead = CallSignature(args, kwargs)
+        if all(layer.failure is not None for layer in self.layers):
+            self._mode = "eager"  # nothing left to capture
+            return
+        if not self.capture_due or (not self.cache.sets and not self._warmup_record):
+            self._warmup_record = StepRecord(lead)
+            self._mode, self._recording = "record", self._warmup_record
+            return
+        if self._warmup_record is not None:
+            record, self._warmup_record = self._warmup_record, None
+            self._capture(record)
+        self._mode, self._active = "replay", self.cache.find(args, kwargs)
+        if self._active is not None:
+            return
+        if self.options.shape_policy != "recapture":
+            if self.cache.sets:  # mismatching calls follow the policy in _fallback
+                self._active = self.cache.sets[0]
+            else:
+                self._mode = "eager"  # every layer failed to capture
+            return
+        pending = self.cache.pop_pending(args, kwargs)
+        if pending is not None:
+            self._active = self._capture(pending)
+            if self._active is None:
+                self._mode = "eager"
+        elif not self.cache.full:
+            self._recording = StepRecord(lead)
+            self.cache.pending.append(self._recording)
+            self._mode = "record"
+        else:
+            self._mode = "eager"
+            if not self._cache_full_warned:
+                self._cache_full_warned = True
+                warnings.warn(
+                    f"cg_lightning: graphs.max_graph_sets={self.cache.limit} graph sets exist; steps with other "
+                    f"argument signatures (this one: {describe(lead)}) run eagerly. Further such steps are "
+                    "not reported.",
+                    stacklevel=4,
+                )
+
     def _fallback(self, layer: _Layer, index: int, runner: Optional[LayerGraphRunner], args, kwargs):
         if runner is None:
             why = [f"call #{index} of this layer in a step was never captured (captured calls: "
-                   f"{sum(1 for k in self.runners if k[0] == id(layer))})"]
+                   f"{sum(1 for k in self._active.runners if k[0] == id(layer))})"]
         else:
             why = runner.signature.mismatches(args, kwargs)
         if self.options.shape_policy == "error":
             raise GraphSignatureError(
                 f"layer {layer.name!r} was called with arguments its graph was not captured for:\n  "
                 + "\n  ".join(why)
-                + "\nUse fixed shapes (e.g. drop_last=True), or graphs.shape_policy='eager' to run such calls eagerly."
+                + "\nUse fixed shapes (e.g. drop_last=True), graphs.shape_policy='eager' to run such calls eagerly, "
+                "or 'recapture' to capture graphs for them."
             )
         if not layer.warned:
             layer.warned = True
@@ -190,35 +275,61 @@ class GraphManager:
 
     # ----------------------------------------------------------------- capture
     def capture(self) -> None:
-        """Warm up and capture every call recorded in the last eager step (see module docstring)."""
-        import time
+        """Capture the calls recorded in the last warmup step now (normally done at the next step)."""
+        if self._warmup_record is not None:
+            record, self._warmup_record = self._warmup_record, None
+            self._capture(record)
 
+    def _capture(self, record: StepRecord) -> Optional[GraphSet]:
+        """Capture every call of ``record`` as one graph set (:mod:`.set_capture`); ``None`` if none was."""
         start = time.perf_counter()
+        allocated = self._allocated()
         if self.pool is None:
             self.pool = self.backend.new_pool()
-        runners = [
-            LayerGraphRunner(
-                r.layer.name,
-                r.layer.module,
-                r.layer.forward,
-                r.signature,
-                r.args,
-                r.kwargs,
-                self.backend,
-                self.pool,
-                accumulate_into_main_grad=self.accumulate_into_main_grad,
-                clone_param_grads_on_return=False,
-                num_warmup_iters=self.options.num_warmup_iters,
-            )
-            for r in self._records
-        ]
-        capture_in_order(runners, self.model, [r.layer.module for r in self._records])
-        for r, runner in zip(self._records, runners):
-            self.runners[(id(r.layer), r.index)] = runner
-        self._records = []
-        self.captured = True
-        self.stats.captured_runners = len(self.runners)
+        calls = [c for c in record.calls if c.layer.failure is None]
+        calls, runners = capture_calls(calls, self._runner, self.model, self.options.on_capture_error,
+                                       self._mark_failed)
         self.stats.capture_seconds += time.perf_counter() - start
+        self.stats.pool_bytes += max(0, self._allocated() - allocated)
+        if not runners:
+            return None
+        graph_set = GraphSet(record.lead, {(id(c.layer), c.index): r for c, r in zip(calls, runners)})
+        self.cache.sets.append(graph_set)
+        self.stats.captures += 1
+        self.stats.graph_sets = len(self.cache.sets)
+        self.stats.captured_runners = len(self.cache.all_runners())
+        return graph_set
+
+    def _runner(self, call: CallRecord) -> LayerGraphRunner:
+        return LayerGraphRunner(
+            call.layer.name,
+            call.layer.module,
+            call.layer.forward,
+            call.signature,
+            call.args,
+            call.kwargs,
+            self.backend,
+            self.pool,
+            accumulate_into_main_grad=self.accumulate_into_main_grad,
+            clone_param_grads_on_return=False,
+            num_warmup_iters=self.options.num_warmup_iters,
+        )
+
+    def _mark_failed(self, layer: _Layer, exc: BaseException) -> None:
+        layer.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        self.cache.forget_layer(layer)
+        self.stats.failed_layers.append(layer.name)
+        self.stats.captured_runners = len(self.cache.all_runners())
+        warnings.warn(
+            f"cg_lightning: layer {layer.name!r} could not be captured and runs eagerly from now on "
+            f"(graphs.on_capture_error='eager'); the other layers stay graphed. Cause: {layer.failure}",
+            stacklevel=5,
+        )
+
+    def _allocated(self) -> int:
+        if self.backend is not None and self.backend.name == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return 0
 
 
 def _detach_tree(tree):

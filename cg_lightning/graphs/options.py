@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 BACKENDS = ("auto", "cuda", "eager")
-SHAPE_POLICIES = ("eager", "error")
+SHAPE_POLICIES = ("eager", "error", "recapture")
+CAPTURE_ERROR_POLICIES = ("raise", "eager")
 
 
 @dataclass
@@ -18,7 +19,8 @@ class GraphOptions:
         layers: glob patterns over qualified module names (``"model.blocks.*"``); a module matches if its
             name matches any pattern and none of its ancestors matched. ``None`` picks the entries of the
             largest ``nn.ModuleList`` whose entries share one class.
-        warmup_steps: eager training steps (optimizer steps) before graphs are captured. The last eager
+        warmup_steps: eager training steps (optimizer steps) before graphs are captured, counted from the
+            first step the graph manager sees (a run resumed from a checkpoint warms up again). The last eager
             step records which layers run, in which order and with which arguments, so at least one is
             always taken: 0 and 1 both capture at the start of step 1.
         num_warmup_iters: eager forward+backward passes per layer inside capture, >= 1; they discover the
@@ -26,7 +28,15 @@ class GraphOptions:
         backend: ``"cuda"`` (``torch.cuda.CUDAGraph``), ``"eager"`` (same static buffers and bookkeeping,
             kernels run eagerly; for CPU and debugging) or ``"auto"`` (``cuda`` on a CUDA device).
         shape_policy: what a call whose arguments differ from the captured ones does: ``"eager"`` runs
-            that call eagerly (warns once per layer), ``"error"`` raises a ``GraphSignatureError``.
+            that call eagerly (warns once per layer), ``"error"`` raises a ``GraphSignatureError``,
+            ``"recapture"`` captures another graph set for a training step whose first graphed call has a
+            new signature (that step runs eagerly and is recorded; the next step with the same signature
+            captures it), up to ``max_graph_sets`` sets.
+        max_graph_sets: most graph sets (captured or recorded for capture) under ``"recapture"``, >= 1;
+            further new signatures run eagerly, with one warning.
+        on_capture_error: a layer whose capture raises ``GraphCaptureError``: ``"raise"`` stops training
+            (the message names the layer), ``"eager"`` runs that layer eagerly from then on (one warning
+            naming the layer and the cause) and captures the other layers without it.
 
     Raises:
         ValueError: on an unknown backend or shape policy or a count below 1.
@@ -38,12 +48,20 @@ class GraphOptions:
     num_warmup_iters: int = 1
     backend: str = "auto"
     shape_policy: str = "eager"
+    max_graph_sets: int = 4
+    on_capture_error: str = "raise"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"graphs.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.shape_policy not in SHAPE_POLICIES:
             raise ValueError(f"graphs.shape_policy must be one of {SHAPE_POLICIES}, got {self.shape_policy!r}")
+        if self.on_capture_error not in CAPTURE_ERROR_POLICIES:
+            raise ValueError(
+                f"graphs.on_capture_error must be one of {CAPTURE_ERROR_POLICIES}, got {self.on_capture_error!r}"
+            )
+        if self.max_graph_sets < 1:
+            raise ValueError(f"graphs.max_graph_sets must be >= 1, got {self.max_graph_sets}")
         if self.warmup_steps < 0:
             raise ValueError(f"graphs.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.num_warmup_iters < 1:

@@ -1,0 +1,86 @@
+"""Graph sets: the runners captured for one kind of training step, and the bounded cache that holds them.
+
+A training step's kind is the signature of its first call of a graphed layer (its *lead* signature):
+with a fixed model, the shapes of that call (batch size, sequence length) determine those of every later
+call in the step. A :class:`GraphSet` maps ``(layer, call index)`` to the runner captured for it; one set
+replays per step (sets never mix within a step), so the sets can share one memory pool: a set only
+needs its own buffers during the step it replays in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .signature import CallSignature
+
+
+@dataclass
+class CallRecord:
+    """One eager call of a graphed layer, kept to capture it later (arguments detached)."""
+
+    layer: object  # the manager's _Layer
+    index: int
+    signature: CallSignature
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class StepRecord:
+    """The calls of one eagerly run training step, under the step's lead signature."""
+
+    lead: CallSignature
+    calls: List[CallRecord] = field(default_factory=list)
+
+
+@dataclass
+class GraphSet:
+    lead: CallSignature
+    runners: Dict[Tuple[int, int], object]  # (id(layer), call index) -> LayerGraphRunner
+
+
+def describe(signature: CallSignature) -> str:
+    """A short text of a signature, e.g. ``Tensor[4, 32, 64] float32 on cpu, requires_grad``."""
+    parts = [str(m) if t else repr(m) for m, t in zip(signature.metas, signature.is_tensor)]
+    return "(" + "; ".join(parts) + ")"
+
+
+class GraphSetCache:
+    """Captured sets and steps recorded for capture, at most ``limit`` of them together."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.sets: List[GraphSet] = []
+        self.pending: List[StepRecord] = []
+
+    @property
+    def full(self) -> bool:
+        return len(self.sets) + len(self.pending) >= self.limit
+
+    def find(self, args: tuple, kwargs: dict) -> Optional[GraphSet]:
+        return next((s for s in self.sets if s.lead.matches(args, kwargs)), None)
+
+    def pop_pending(self, args: tuple, kwargs: dict) -> Optional[StepRecord]:
+        for i, record in enumerate(self.pending):
+            if record.lead.matches(args, kwargs):
+                return self.pending.pop(i)
+        return None
+
+    def all_runners(self) -> list:
+        return [r for s in self.sets for r in s.runners.values()]
+
+    def forget_layer(self, layer) -> None:
+        """Drop a layer's runners and recorded calls (it runs eagerly from now on)."""
+        for s in self.sets:
+            for key in [k for k in s.runners if k[0] == id(layer)]:
+                del s.runners[key]
+        for record in self.pending:
+            record.calls = [c for c in record.calls if c.layer is not layer]
+
+    def signatures(self) -> List[str]:
+        return [describe(s.lead) for s in self.sets]
+
+    def clear(self) -> None:
+        self.sets.clear()
+        self.pending.clear()

@@ -1,0 +1,71 @@
+"""Capturing the recorded calls of one step as a graph set, dropping layers whose capture fails.
+
+All calls are captured together by :func:`~.capture.capture_in_order` (forwards in order, backwards in
+reverse, one pool). When one runner raises :class:`GraphCaptureError` and the policy is ``"eager"``, its
+layer is reported through ``on_failed`` and every remaining call is captured again from scratch: the
+failed attempt's runners are dropped and ``capture_in_order`` has restored the training state, so nothing
+of it survives. With ``"raise"`` the error propagates, naming the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Sequence, Tuple
+
+import torch.nn as nn
+
+from .capture import capture_in_order
+from .graph_sets import CallRecord
+from .runner import GraphCaptureError, LayerGraphRunner
+
+
+def capture_calls(
+    calls: Sequence[CallRecord],
+    make_runner: Callable[[CallRecord], LayerGraphRunner],
+    model: nn.Module,
+    on_capture_error: str,
+    on_failed: Callable[[object, GraphCaptureError], None],
+) -> Tuple[List[CallRecord], List[LayerGraphRunner]]:
+    """Capture ``calls``; returns the calls captured and their runners (both empty if all failed)."""
+    calls = list(calls)
+    while calls:
+        runners = [make_runner(c) for c in calls]
+        blamed: List[LayerGraphRunner] = []
+        try:
+            capture_in_order([_Blame(r, blamed) for r in runners], model, [c.layer.module for c in calls])
+            return calls, runners
+        except GraphCaptureError as exc:
+            if not blamed:
+                raise
+            layer = calls[runners.index(blamed[0])].layer
+            if on_capture_error != "eager":
+                if layer.name not in str(exc):
+                    raise GraphCaptureError(f"layer {layer.name!r}: {exc}") from exc
+                raise
+            on_failed(layer, exc)
+            calls = [c for c in calls if c.layer is not layer]
+    return [], []
+
+
+class _Blame:
+    """A runner as ``capture_in_order`` sees it; notes which runner raised ``GraphCaptureError``."""
+
+    def __init__(self, runner: LayerGraphRunner, blamed: list) -> None:
+        self.runner = runner
+        self.backend = runner.backend
+        self._blamed = blamed
+
+    def _run(self, step) -> None:
+        try:
+            step()
+        except GraphCaptureError:
+            self._blamed.append(self.runner)
+            raise
+
+    def warmup(self) -> None:
+        self._run(self.runner.warmup)
+
+    def capture_forward(self) -> None:
+        self._run(self.runner.capture_forward)
+
+    def capture_backward(self) -> None:
+        self._run(self.runner.capture_backward)
