@@ -15,6 +15,7 @@ Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPU
 
 from __future__ import annotations
 
+import atexit
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Generator, Optional, Union
 
@@ -26,16 +27,12 @@ from torch.optim import Optimizer
 
 from .ddp import DataParallelEngine, DDPOptions
 from .graphs import GraphManager, GraphOptions
+from .options import as_options
 
 
-def _as(cls, value):
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, dict):
-        return cls(**value)
-    raise TypeError(f"expected {cls.__name__}, a dict or None, got {type(value).__name__}")
+def _destroy_process_group_at_exit() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class CUDAGraphDDPStrategy(DDPStrategy):
@@ -72,16 +69,27 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         if unsupported:
             raise ValueError(
                 f"CUDAGraphDDPStrategy does not take torch-DDP options {unsupported}: its own engine buckets by "
-                "ddp.bucket_size_mb and requires every trainable parameter to get a gradient every step."
+                "ddp.bucket_size_mb and requires every trainable parameter to get a gradient every step. Its "
+                "equivalents go in ddp={...}: bucket_size_mb, broadcast_buffers, average, grad_dtype, timeout_s."
             )
         super().__init__(**kwargs)
-        self.graph_options = _as(GraphOptions, graphs)
-        self.ddp_options = _as(DDPOptions, ddp)
+        self.graph_options = as_options(GraphOptions, graphs, "graphs")
+        self.ddp_options = as_options(DDPOptions, ddp, "ddp")
         self.engine: Optional[DataParallelEngine] = None
         self.graph_manager: Optional[GraphManager] = None
         self.last_graph_stats = None  # GraphStats of the last fit, kept after teardown
 
     # ----------------------------------------------------------------- setup
+    def setup_distributed(self) -> None:
+        """Lightning's process-group setup, plus destroying the group at interpreter exit for every backend.
+
+        Lightning registers that for NCCL only; a gloo group (CPU runs, and the engine's control group on
+        GPUs) still alive at exit can abort the process on recent torch ("terminate called without an
+        active exception").
+        """
+        super().setup_distributed()
+        atexit.register(_destroy_process_group_at_exit)
+
     def _setup_model(self, model: Module) -> DataParallelEngine:
         lm = self.lightning_module
         if lm is not None and not lm.automatic_optimization:

@@ -302,6 +302,9 @@ class DataParallelEngine(nn.Module):
             set_grad_ready_reporter(p, None)
         self._hook_handles = []
         self._grad_accs = []
+        if self._control_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._control_group)
+        self._control_group = None
 
     # ----------------------------------------------------------------- optimizer glue
     def expose_grads(self) -> None:

@@ -1,0 +1,214 @@
+"""``CUDAGraphAccelerator``: an ``accelerate.Accelerator`` that trains through cg-lightning's engine.
+
+A script written for Accelerate changes two lines::
+
+    from cg_lightning.accelerate import CUDAGraphAccelerator
+    accelerator = CUDAGraphAccelerator(graphs={"warmup_steps": 2}, mixed_precision="bf16")
+
+and keeps its loop (``prepare``, ``accumulate``, ``backward``, ``clip_grad_norm_``, ``optimizer.step``,
+``zero_grad``). What differs from a plain ``Accelerator``, method by method (Accelerate has no plug-in
+point for a data-parallel engine, so, like other libraries that bring their own DDP, this subclasses
+``Accelerator`` and overrides the few methods involved):
+
+* ``prepare_model``: Accelerate's own preparation (autocast forward, device placement) without its torch
+  DDP wrap; then a :class:`~cg_lightning.graphs.GraphManager` on the chosen layers and a
+  :class:`GraphedDataParallel` around the model, in the order ``CUDAGraphDDPStrategy._setup_model`` uses.
+* ``prepare_optimizer``: a :class:`GradBufferOptimizer`, whose ``zero_grad`` zeroes ``main_grad``.
+* ``no_sync`` (and so ``accumulate``): the engine's ``no_sync``, also in a single process, where it
+  keeps non-final micro-batches from finishing the gradient sync.
+* ``backward``: after autograd, waits for the engine's buckets and, when ``sync_gradients`` is true,
+  points ``param.grad`` at ``main_grad``, so ``clip_grad_norm_`` and the optimizer see the reduced
+  gradients.
+* ``unwrap_model``: also removes the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, DynamoBackend
+
+from ..ddp import DDPOptions
+from ..graphs import GraphManager, GraphOptions
+from ..options import as_options
+from .engine import GraphedDataParallel
+from .optimizer import GradBufferOptimizer
+
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+class CUDAGraphAccelerator(Accelerator):
+    """``accelerate.Accelerator`` with per-layer CUDA graphs and the exact ``main_grad`` DDP engine.
+
+    Args:
+        graphs: :class:`~cg_lightning.graphs.GraphOptions` or a dict of its fields: which layers (glob
+            patterns over the prepared model's module names; ``None`` = the largest same-class
+            ``ModuleList``), ``warmup_steps`` (eager optimizer steps before capture), ``backend``
+            (``"cuda"`` on GPUs, ``"eager"`` on CPUs, ``"auto"``), ``shape_policy``.
+        ddp: :class:`~cg_lightning.ddp.DDPOptions` or a dict: ``bucket_size_mb`` (MiB), ``average``,
+            ``grad_dtype``, ``timeout_s`` (seconds), ``check_grad_ready``.
+        *args, **kwargs: ``accelerate.Accelerator`` arguments (``mixed_precision``,
+            ``gradient_accumulation_steps``, ``cpu``, ...). Launch settings come from ``accelerate
+            launch`` or ``torchrun`` as usual.
+
+    Raises:
+        TypeError: if ``graphs`` or ``ddp`` has the wrong type.
+        ValueError: for torch-DDP options (``DistributedDataParallelKwargs``), which this engine does
+            not implement; at ``prepare`` time for DeepSpeed, FSDP, Megatron-LM, XLA, tensor or context
+            parallelism, fp8 and ``torch.compile`` (dynamo), which bring their own wrapping.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        graphs: Union[GraphOptions, Dict[str, Any], None] = None,
+        ddp: Union[DDPOptions, Dict[str, Any], None] = None,
+        **kwargs: Any,
+    ) -> None:
+        self.graph_options = as_options(GraphOptions, graphs, "graphs")
+        self.ddp_options = as_options(DDPOptions, ddp, "ddp")
+        super().__init__(*args, **kwargs)
+        if self.ddp_handler is not None:
+            raise ValueError(
+                "CUDAGraphAccelerator does not take DistributedDataParallelKwargs: its engine is not torch DDP. "
+                "Set bucket sizes and averaging with ddp={'bucket_size_mb': ..., 'average': ...}."
+            )
+        self._graph_engines: List[GraphedDataParallel] = []
+        self._captures_seen: Dict[int, int] = {}
+
+    # ----------------------------------------------------------------- prepare
+    def _check_supported(self) -> None:
+        problems = []
+        if self.distributed_type not in _SUPPORTED:
+            problems.append(f"distributed_type {self.distributed_type.value}")
+        if self.mixed_precision == "fp8":
+            problems.append("mixed_precision='fp8'")
+        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
+            problems.append("torch.compile (dynamo_backend)")
+        pc = getattr(self, "parallelism_config", None)
+        if pc is not None and (getattr(pc, "tp_enabled", False) or getattr(pc, "cp_enabled", False)):
+            problems.append("tensor/context parallelism")
+        if problems:
+            raise ValueError(
+                f"CUDAGraphAccelerator supports plain data parallelism (no, MULTI_CPU, MULTI_GPU) with "
+                f"no/fp16/bf16 mixed precision; this run asks for {', '.join(problems)}. Use accelerate.Accelerator "
+                f"for it."
+            )
+
+    def prepare(self, *args: Any, device_placement=None):
+        """``Accelerator.prepare``; refuses the set-ups this engine does not serve before anything is wrapped.
+
+        DeepSpeed, FSDP2 and Megatron-LM never reach ``prepare_model`` (Accelerate hands the model to their
+        own engines), so the check runs here.
+
+        Raises:
+            ValueError: see the class docstring.
+        """
+        if any(isinstance(obj, torch.nn.Module) for obj in args):
+            self._check_supported()
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False):
+        """Prepare ``model`` for training: Accelerate's autocast and placement, then graphs and the engine.
+
+        Returns:
+            a :class:`GraphedDataParallel` wrapping ``model`` (``model`` itself for ``evaluation_mode``,
+            a model without trainable parameters or one prepared before).
+
+        Raises:
+            ValueError: see the class docstring; from ``GraphManager`` if ``graphs.layers`` matches no
+                module, or is unset and the model has no ``nn.ModuleList`` of same-class layers.
+        """
+        if evaluation_mode or getattr(model, "_is_accelerate_prepared", False):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self._check_supported()
+        # evaluation_mode=True: Accelerate's autocast forward and device placement, without its DDP wrap.
+        model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        if not any(p.requires_grad for p in model.parameters()):
+            return model
+        manager = None
+        if self.graph_options.enabled:
+            manager = GraphManager(model, self.graph_options, self.device, accumulate_into_main_grad=True)
+        engine = GraphedDataParallel(model, self.ddp_options, manager)
+        self._models[self._models.index(model)] = engine
+        engine._is_accelerate_prepared = True
+        self._graph_engines.append(engine)
+        return engine
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None):
+        """Wrap ``optimizer`` in a :class:`GradBufferOptimizer` (an ``AcceleratedOptimizer``)."""
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if device_placement is None:
+            device_placement = self.device_placement
+        wrapped = GradBufferOptimizer(optimizer, self._engines_of, device_placement=device_placement,
+                                      scaler=self.scaler)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def _engines_of(self, optimizer) -> List[GraphedDataParallel]:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [e for e in self._graph_engines if any(id(p) in ids for p in e.params)]
+
+    # ----------------------------------------------------------------- step
+    @contextlib.contextmanager
+    def no_sync(self, model) -> Iterator[None]:
+        """Accumulate gradients locally: the engine's ``no_sync`` for engines, Accelerate's otherwise."""
+        if isinstance(model, GraphedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            with super().no_sync(model):
+                yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``Accelerator.backward`` (loss divided by the accumulation steps, fp16 scaling), then the engine.
+
+        For every engine whose forward fed this micro-batch: waits for its all-reduce (unless under
+        ``no_sync``) and, when ``sync_gradients`` is true, points ``param.grad`` at ``main_grad``.
+
+        Raises:
+            GradSyncError: a parameter did not report its gradient on some rank (named in the message).
+        """
+        active = [engine for engine in self._graph_engines if engine.start_backward()]
+        super().backward(loss, **kwargs)
+        for engine in active:
+            engine.finish_backward(expose=self.sync_gradients)
+            self._report_capture(engine)
+
+    def _report_capture(self, engine: GraphedDataParallel) -> None:
+        """Print (main process) when the engine's graphs were captured in this micro-batch."""
+        manager = engine.graph_manager
+        if manager is None:
+            return
+        stats = manager.stats
+        captures = getattr(stats, "captures", int(manager.captured))
+        if captures == self._captures_seen.get(id(engine), 0):
+            return
+        self._captures_seen[id(engine)] = captures
+        sets = getattr(stats, "graph_sets", 1)
+        self.print(
+            f"cg_lightning: captured {stats.captured_runners} layer calls "
+            f"({', '.join(layer.name for layer in manager.layers)}) with the {stats.backend} backend "
+            f"in {stats.capture_seconds:.2f} s" + (f" ({sets} graph sets)" if sets > 1 else "")
+        )
+
+    def free_memory(self, *objects):
+        """Accelerate's ``free_memory``; also forgets the engines (and with them their process groups)."""
+        self._graph_engines = []
+        self._captures_seen = {}
+        objects = super().free_memory(*objects)
+        gc.collect()  # an engine and its grad hooks form a reference cycle; Accelerate collects too early
+        return objects
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The user's model: removes the engine, then whatever Accelerate added."""
+        if isinstance(model, GraphedDataParallel):
+            model = model.module
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
+                                    keep_torch_compile=keep_torch_compile)

@@ -1,0 +1,159 @@
+"""``GraphedDataParallel``: the DDP engine with the graph manager and the step points an Accelerate loop has.
+
+Under Lightning, :class:`~cg_lightning.CUDAGraphDDPStrategy` is told where a training micro-batch starts
+(``training_step``), where its backward ends (``post_backward``) and when the optimizer stepped. An
+Accelerate script calls ``model(...)``, ``accelerator.backward(loss)``, ``optimizer.step()`` and
+``optimizer.zero_grad()`` instead; this engine turns those calls into the same events:
+
+* **micro-batch start**: the first forward with autograd enabled since the last backward calls
+  ``GraphManager.begin_step(steps)``. Every forward until the backward belongs to that
+  micro-batch, so a layer called twice gets call indices 0 and 1, as in one ``training_step``.
+* **backward** (driven by :meth:`CUDAGraphAccelerator.backward
+  <cg_lightning.accelerate.CUDAGraphAccelerator.backward>`): :meth:`start_backward` ends the micro-batch
+  (``end_step``); after autograd, :meth:`finish_backward` waits for the buckets (unless under
+  :meth:`no_sync`) and, on the micro-batch that completes an optimizer step, points ``param.grad`` at
+  ``main_grad`` for clipping and the optimizer.
+* **step count**: every micro-batch whose backward exposed the gradients completes one optimizer step;
+  their number is the manager's global step (as Lightning's ``global_step``), so the schedule does not
+  depend on the optimizer being prepared.
+* **zero_grad**: the prepared optimizer's ``zero_grad`` calls :meth:`zero_grad_buffer`. Gradients
+  dropped or replaced in ``param.grad`` by other means (a raw optimizer's ``zero_grad``) are carried
+  into ``main_grad`` before the next backward, so the result is what eager PyTorch computes.
+
+Imports only torch and the project's engine; the Accelerate glue lives in ``accelerator.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..ddp import DataParallelEngine, DDPOptions
+from ..graphs import GraphManager, GraphStats
+
+
+class GraphedDataParallel(DataParallelEngine):
+    """:class:`~cg_lightning.ddp.DataParallelEngine` that drives a :class:`~cg_lightning.graphs.GraphManager`.
+
+    Args:
+        module: the model, already on its device (with Accelerate's autocast forward, if any). Its
+            trainable parameters get ``param.main_grad``; parameters and buffers are broadcast from
+            rank 0.
+        options: :class:`~cg_lightning.ddp.DDPOptions` (bucket size in MiB, averaging, ``main_grad``
+            dtype, timeout in seconds).
+        graph_manager: a manager already installed on ``module``'s layers, built with
+            ``accumulate_into_main_grad=True``; ``None`` trains eagerly through the same engine.
+
+    Attributes:
+        graph_manager: the manager, or ``None``.
+        steps: optimizer steps completed so far (int): micro-batches whose backward exposed the
+            gradients. Graphs are scheduled by it (capture happens in the first micro-batch with
+            ``steps >= warmup_steps``).
+        micro_batch_open: a forward with autograd enabled ran and its backward has not started yet.
+        grads_exposed: ``param.grad`` currently points at ``main_grad``.
+
+    Raises:
+        GradSyncError: from :meth:`finish_backward`, when a parameter did not report its gradient (see
+            :class:`~cg_lightning.ddp.DataParallelEngine`).
+        RuntimeError: from :meth:`check_ready_for_step`, when the backward did not go through
+            ``accelerator.backward``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        options: Optional[DDPOptions] = None,
+        graph_manager: Optional[GraphManager] = None,
+    ) -> None:
+        backend = graph_manager.backend if graph_manager is not None else None
+        super().__init__(module, options, grad_accumulator_stream=getattr(backend, "stream", None))
+        self.graph_manager = graph_manager
+        self.steps = 0
+        self.micro_batch_open = False
+        self.grads_exposed = False
+
+    @property
+    def graph_stats(self) -> Optional[GraphStats]:
+        """The manager's counters (captured runners, replays, eager calls, capture seconds), or ``None``."""
+        return self.graph_manager.stats if self.graph_manager is not None else None
+
+    def forward(self, *args, **kwargs):
+        if not self.micro_batch_open and torch.is_grad_enabled():
+            self.micro_batch_open = True
+            if self.graph_manager is not None:
+                self.graph_manager.begin_step(self.steps)
+        return self.module(*args, **kwargs)
+
+    # ----------------------------------------------------------------- backward
+    def start_backward(self) -> bool:
+        """Close the micro-batch before autograd runs; return whether one was open.
+
+        If gradients are still exposed (no ``zero_grad`` through the prepared optimizer or model since the
+        last step), ``param.grad`` is taken back into ``main_grad`` first, as eager PyTorch would keep
+        accumulating into it: ``None`` (zeroed with ``set_to_none``) zeroes ``main_grad``, another tensor is
+        copied in, the alias itself keeps its values. Then ``param.grad`` is dropped, since autograd would
+        otherwise add into ``main_grad`` in place and the hook would add the same gradient again.
+        """
+        was_open = self.micro_batch_open
+        self.micro_batch_open = False
+        if self.graph_manager is not None:
+            self.graph_manager.end_step()
+        if self.grads_exposed:
+            with torch.no_grad():
+                for p in self.params:
+                    if p.grad is None:
+                        p.main_grad.zero_()
+                    elif p.grad is not p.main_grad:
+                        p.main_grad.copy_(p.grad)
+                    p.grad = None
+            self.grads_exposed = False
+        return was_open
+
+    def finish_backward(self, expose: bool) -> None:
+        """After autograd: wait for the buckets (unless under :meth:`no_sync`); optionally expose grads.
+
+        Args:
+            expose: point ``param.grad`` at ``main_grad`` (the micro-batch completes an optimizer step,
+                which is counted in :attr:`steps`).
+        """
+        if self.sync_enabled:
+            self.finish_grad_sync()
+        if expose:
+            self.expose_grads()
+            self.grads_exposed = True
+            self.steps += 1
+
+    # ----------------------------------------------------------------- optimizer
+    def check_ready_for_step(self) -> None:
+        """Raise if a forward's backward did not go through ``accelerator.backward`` (no grads exposed)."""
+        if self.micro_batch_open and not self.grads_exposed:
+            raise RuntimeError(
+                "cg_lightning: the optimizer steps while a forward's backward has not gone through "
+                "accelerator.backward(loss). With CUDAGraphAccelerator call accelerator.backward(loss) "
+                "instead of loss.backward(): it finishes the gradient all-reduce and points param.grad at "
+                "param.main_grad."
+            )
+
+    def after_optimizer_step(self) -> None:
+        """Close a micro-batch left open by a forward after the backward (the next forward starts a new one)."""
+        if self.micro_batch_open:
+            self.micro_batch_open = False
+            if self.graph_manager is not None:
+                self.graph_manager.end_step()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` and drop ``param.grad``."""
+        super().zero_grad_buffer()
+        self.grads_exposed = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad`` that also zeroes ``main_grad`` (where the gradients really are)."""
+        super().zero_grad(set_to_none)
+        self.zero_grad_buffer()
+
+    def remove_graphs(self) -> None:
+        """Restore the graphed layers' own ``forward`` and drop the graphs (the engine keeps working)."""
+        if self.graph_manager is not None:
+            self.graph_manager.remove()

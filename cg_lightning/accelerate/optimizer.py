@@ -1,0 +1,55 @@
+"""``GradBufferOptimizer``: Accelerate's optimizer wrapper, told about the engines' ``main_grad`` buffers.
+
+With the project's engine the gradients live in ``param.main_grad`` (``param.grad`` only aliases it
+between the last backward of a step and ``zero_grad``), so zeroing gradients zeroes that buffer, and a
+step whose backward bypassed ``accelerator.backward`` is an error instead of a silent step on unsynced
+gradients. Accelerate's ``AcceleratedOptimizer`` already decides *whether* ``step``/``zero_grad`` act
+(only when ``gradient_state.sync_gradients``, i.e. on the last micro-batch of an accumulation cycle);
+this subclass adds *what else* happens then.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from accelerate.optimizer import AcceleratedOptimizer
+
+from .engine import GraphedDataParallel
+
+EngineLookup = Callable[["GradBufferOptimizer"], Iterable[GraphedDataParallel]]
+
+
+class GradBufferOptimizer(AcceleratedOptimizer):
+    """``AcceleratedOptimizer`` whose ``step`` and ``zero_grad`` also drive the engines it optimizes.
+
+    Args:
+        optimizer: the torch optimizer.
+        engines: called with this wrapper, returns the :class:`GraphedDataParallel` engines that own
+            some of its parameters (looked up at each call: a model may be prepared after its optimizer).
+        device_placement: move the optimizer state to the accelerator's device (as Accelerate does).
+        scaler: the ``GradScaler`` for fp16 mixed precision, or ``None``.
+
+    Raises:
+        RuntimeError: from ``step``, if a forward's backward did not go through ``accelerator.backward``.
+    """
+
+    def __init__(self, optimizer, engines: EngineLookup, device_placement: bool = True, scaler=None) -> None:
+        super().__init__(optimizer, device_placement=device_placement, scaler=scaler)
+        self._engines = engines
+
+    def step(self, closure=None):
+        if not self.gradient_state.sync_gradients:
+            return super().step(closure)  # an accumulation micro-batch: Accelerate skips the step
+        engines = list(self._engines(self))
+        for engine in engines:
+            engine.check_ready_for_step()
+        out = super().step(closure)
+        for engine in engines:
+            engine.after_optimizer_step()
+        return out
+
+    def zero_grad(self, set_to_none=None) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if self.gradient_state.sync_gradients:
+            for engine in self._engines(self):
+                engine.zero_grad_buffer()

@@ -1,0 +1,201 @@
+"""Train the example GPT in a plain Hugging Face Accelerate loop, through cg-lightning or (``--eager``) not.
+
+The run is described by the same YAML as ``python -m cg_lightning fit`` (files merge in order,
+``dotted.key=value`` overrides last). Used from it: ``seed``, ``model`` (the LightningModule is used as a
+plain ``nn.Module``: its ``forward`` and ``configure_optimizers``; no Trainer), ``data`` (its
+``train_dataloader``), ``strategy.graphs`` and ``strategy.ddp``, and from ``trainer``: ``max_steps``,
+``accumulate_grad_batches``, ``gradient_clip_val`` / ``gradient_clip_algorithm``, ``precision`` and
+``accelerator`` (``cpu`` forces the CPU). Processes and machines come from the launcher, not from
+``trainer.devices`` / ``num_nodes``. Mixed precision: ``--mixed-precision``, else the launcher's
+(``accelerate launch`` always sets one, from its config file), else ``trainer.precision``.
+
+The two modes differ in one line: ``CUDAGraphAccelerator(graphs=..., ddp=...)`` (per-layer graphs under
+the ``main_grad`` engine) or ``accelerate.Accelerator()`` (torch DDP, the eager reference). Both see the
+same seed and the same batches.
+
+CPU, two processes over gloo (``accelerate launch --cpu --num_processes 2`` starts only one process on
+a CPU: Accelerate's own multi-CPU launch needs mpirun; use torchrun or the config below)::
+
+    torchrun --nproc_per_node 2 examples/train_accelerate.py --config configs/gpt_tiny.yaml --max-steps 60
+    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml examples/train_accelerate.py \
+        --config configs/gpt_tiny.yaml --max-steps 60
+
+GPUs of one machine::
+
+    accelerate launch --config_file configs/accelerate/gpu_1node.yaml examples/train_accelerate.py \
+        --config configs/gpt_small.yaml
+
+``--out FILE`` (rank 0) saves a ``torch.save`` dict: ``losses`` (one list of per-rank losses per
+micro-batch), ``grad_norms`` (total gradient norm before clipping, per optimizer step, when clipping),
+``state`` (final state_dict), ``stats`` (graph counters, ``None`` with ``--eager``) and ``run``
+(distributed type, processes, mixed precision, steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # `examples.*` class paths in the config resolve from the repository root
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from cg_lightning.accelerate import CUDAGraphAccelerator
+from cg_lightning.config import build_datamodule, build_model, load_config
+
+_PRECISIONS = {"32-true": "no", "32": "no", "bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", action="append", default=None,
+                    help="YAML config file; repeat to merge several (default: configs/gpt_tiny.yaml)")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. model.init_args.n_layer=2")
+    ap.add_argument("--eager", action="store_true", help="plain accelerate.Accelerator (torch DDP), the reference")
+    ap.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: trainer.max_steps)")
+    ap.add_argument("--gradient-accumulation-steps", type=int, default=None,
+                    help="micro-batches per optimizer step (default: trainer.accumulate_grad_batches)")
+    ap.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default=None,
+                    help="default: the launcher's setting, else trainer.precision")
+    ap.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are visible")
+    ap.add_argument("--log-every", type=int, default=None, help="print the loss every N steps "
+                    "(default: trainer.log_every_n_steps)")
+    ap.add_argument("--out", default=None, help="rank 0 saves losses, final weights and graph counters here")
+    return ap.parse_intermixed_args(argv)  # overrides may come before, between or after the flags
+
+
+def _mixed_precision(args, cfg) -> str:
+    if args.mixed_precision:
+        return args.mixed_precision
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return os.environ["ACCELERATE_MIXED_PRECISION"]
+    if cfg.trainer.precision not in _PRECISIONS:
+        raise SystemExit(f"trainer.precision={cfg.trainer.precision!r} has no Accelerate equivalent; "
+                         f"use one of {sorted(_PRECISIONS)} or --mixed-precision")
+    return _PRECISIONS[cfg.trainer.precision]
+
+
+def _optimizer_and_scheduler(module):
+    """``configure_optimizers`` of the LightningModule: an optimizer, or a dict with an ``lr_scheduler``."""
+    out = module.configure_optimizers()
+    if isinstance(out, torch.optim.Optimizer):
+        return out, None
+    if isinstance(out, dict) and isinstance(out.get("optimizer"), torch.optim.Optimizer):
+        sched = out.get("lr_scheduler")
+        if isinstance(sched, dict):
+            if sched.get("interval", "epoch") != "step":
+                raise SystemExit("this script steps LR schedulers per optimizer step (interval: step) only")
+            sched = sched["scheduler"]
+        return out["optimizer"], sched
+    raise SystemExit(f"configure_optimizers returned {type(out).__name__}; expected an optimizer or a dict")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cfg = load_config(args.config or [os.path.join(ROOT, "configs", "gpt_tiny.yaml")], args.overrides)
+    max_steps = args.max_steps if args.max_steps is not None else cfg.trainer.max_steps
+    if max_steps <= 0:
+        raise SystemExit("set --max-steps or trainer.max_steps to a positive number of optimizer steps")
+    accumulation = args.gradient_accumulation_steps or cfg.trainer.accumulate_grad_batches
+    clip = cfg.trainer.gradient_clip_val
+    log_every = args.log_every or cfg.trainer.log_every_n_steps
+    eager = args.eager or cfg.strategy.name != "cudagraph_ddp"
+
+    common = dict(
+        cpu=args.cpu or cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available(),
+        mixed_precision=_mixed_precision(args, cfg),
+        gradient_accumulation_steps=accumulation,
+    )
+    if eager:
+        accelerator = Accelerator(**common)
+    else:
+        accelerator = CUDAGraphAccelerator(graphs=cfg.strategy.graphs, ddp=cfg.strategy.ddp, **common)
+
+    set_seed(cfg.seed)
+    module = build_model(cfg)
+    data = build_datamodule(cfg)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    optimizer, scheduler = _optimizer_and_scheduler(module)
+    if scheduler is None:
+        model, optimizer, loader = accelerator.prepare(module, optimizer, loader)
+    else:
+        model, optimizer, loader, scheduler = accelerator.prepare(module, optimizer, loader, scheduler)
+    accelerator.print(
+        f"{'eager Accelerate (torch DDP)' if eager else 'cg_lightning CUDAGraphAccelerator'}: "
+        f"{accelerator.distributed_type.value}, {accelerator.num_processes} process(es) on {accelerator.device}, "
+        f"mixed_precision={accelerator.mixed_precision}, gradient_accumulation_steps={accumulation}, "
+        f"clip={clip}, {max_steps} steps"
+    )
+
+    model.train()
+    losses, grad_norms = [], []
+    step, start, window = 0, time.perf_counter(), []
+    while step < max_steps:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                logits = model(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and clip is not None:
+                    if cfg.trainer.gradient_clip_algorithm == "value":
+                        accelerator.clip_grad_value_(model.parameters(), clip)
+                    else:
+                        grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), clip)))
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+                optimizer.zero_grad()
+            per_rank = accelerator.gather(loss.detach().float().reshape(1)).tolist()
+            losses.append(per_rank)
+            window.append(sum(per_rank) / len(per_rank))
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            if step % log_every == 0 or step == max_steps:
+                accelerator.print(f"step {step:5d}  loss {sum(window) / len(window):.4f}  "
+                                  f"{(time.perf_counter() - start) / step * 1000:.0f} ms/step")
+                window = []
+            if step >= max_steps:
+                break
+
+    stats = getattr(model, "graph_stats", None)
+    if accelerator.is_main_process and args.out:
+        state = accelerator.unwrap_model(model).state_dict()
+        torch.save(
+            {
+                "losses": losses,
+                "grad_norms": grad_norms,
+                "state": {k: v.detach().cpu().clone() for k, v in state.items()},
+                "stats": dict(vars(stats)) if stats is not None else None,
+                "run": {
+                    "eager": eager,
+                    "distributed_type": accelerator.distributed_type.value,
+                    "num_processes": accelerator.num_processes,
+                    "mixed_precision": accelerator.mixed_precision,
+                    "steps": step,
+                    "gradient_accumulation_steps": accumulation,
+                },
+            },
+            args.out,
+        )
+    if stats is not None:
+        accelerator.print(f"graphs: {stats.captured_runners} captured layer calls, {stats.forward_replays} replays, "
+                          f"{stats.eager_calls} eager calls, {stats.fallback_calls} fallbacks")
+    accelerator.wait_for_everyone()
+    # Drop the DDP wrappers before the process groups go: a gloo group still referenced at interpreter
+    # exit can abort the process ("terminate called without an active exception"), with torch DDP too.
+    del model, optimizer, scheduler
+    accelerator.free_memory()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

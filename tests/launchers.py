@@ -1,0 +1,143 @@
+"""Run launcher commands (torchrun, several "nodes") from tests: clean environment, timeouts, no orphans.
+
+Every command is started in its own session, and its descendants are recorded while it runs (torchrun
+starts each worker in a session of its own, so killing the launcher's group would not reach them, and a
+worker outlives a launcher that died). On a timeout or a failure the launchers are asked to stop
+(SIGTERM, so torchrun shuts its workers down), then every recorded process still alive is killed by its
+pid; when one "node" fails, the others are killed too instead of being left waiting in the rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+from tests.helpers import _DIST_VARS, ROOT, free_port
+
+
+def clean_env(**extra: str) -> dict:
+    """This environment without distributed variables (a test may itself run under a launcher)."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith("ACCELERATE_")}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, nnodes: int = 1, node_rank: int = 0,
+             port: Optional[int] = None) -> List[str]:
+    """``python -m torch.distributed.run`` (torchrun with this interpreter) on localhost."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(port or free_port()),
+        script, *args,
+    ]
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time (clock ticks since boot), to tell it from a later process with its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _children(pid: int) -> List[int]:
+    out: List[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+    except OSError:
+        pass
+    return out
+
+
+def _record_descendants(roots: Sequence[int], seen: Dict[int, Optional[str]]) -> None:
+    stack = list(roots)
+    while stack:
+        for child in _children(stack.pop()):
+            if child not in seen:
+                seen[child] = _start_time(child)
+                stack.append(child)
+
+
+def _kill(procs: Sequence[subprocess.Popen], seen: Dict[int, Optional[str]]) -> None:
+    running = [p for p in procs if p.poll() is None]
+    _record_descendants([p.pid for p in running], seen)
+    for p in running:
+        try:
+            os.kill(p.pid, signal.SIGTERM)  # torchrun forwards it to its workers and waits for them
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 15
+    for p in running:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for pid, started in seen.items():
+        if started is not None and _start_time(pid) == started:  # still the process recorded
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-n:]
+
+
+def run_all(commands: Sequence[Sequence[str]], log_dir: str, timeout: float) -> List[str]:
+    """Start every command at once, wait for all; return their logs (stdout and stderr together).
+
+    Raises:
+        AssertionError: if a command exits non-zero or they are not all done within ``timeout`` seconds;
+            every process it started is killed first, and the message holds the logs' tails.
+    """
+    logs = [os.path.join(log_dir, f"proc{i}.log") for i in range(len(commands))]
+    files = [open(path, "w") for path in logs]
+    procs: List[subprocess.Popen] = []
+    seen: Dict[int, Optional[str]] = {}  # descendants of the launchers: pid -> start time
+    failure: Optional[str] = None
+    try:
+        for cmd, f in zip(commands, files):
+            procs.append(subprocess.Popen(list(cmd), cwd=ROOT, env=clean_env(), stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while failure is None and any(p.poll() is None for p in procs):
+            _record_descendants([p.pid for p in procs if p.poll() is None], seen)
+            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                failure = f"command {failed[0]} exited with {procs[failed[0]].returncode}"
+            elif time.monotonic() > deadline:
+                failure = f"not done within {timeout:.0f} s"
+            else:
+                time.sleep(0.2)
+        if failure is None and any(p.returncode != 0 for p in procs):
+            failure = "exit codes " + str([p.returncode for p in procs])
+    finally:
+        _kill(procs, seen)
+        for f in files:
+            f.close()
+    if failure is not None:
+        details = "\n".join(f"--- {' '.join(map(str, cmd))}\n{_tail(path)}" for cmd, path in zip(commands, logs))
+        raise AssertionError(f"{failure}\n{details}")
+    return [_tail(path, 200_000) for path in logs]

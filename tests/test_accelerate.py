@@ -1,0 +1,265 @@
+"""``CUDAGraphAccelerator`` against plain ``accelerate.Accelerator`` (torch DDP) on the same script, seed and data.
+
+The script is ``examples/train_accelerate.py`` with the tiny GPT of the other parity tests; two processes
+are started by torchrun and join over gloo as Accelerate's MULTI_CPU. The eager graph backend replays the
+same kernels, so fp32 results agree to rounding (measured: identical).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, max_rel_diff, state_rel_diff
+from tests.launchers import run_all, torchrun
+
+SCRIPT = os.path.join(ROOT, "examples", "train_accelerate.py")
+TINY = [
+    "--config", os.path.join(ROOT, "configs", "gpt_tiny.yaml"),
+    "model.init_args.n_layer=2", "model.init_args.d_model=64", "model.init_args.n_head=4",
+    "model.init_args.block_size=32", "data.init_args.batch_size=4", "data.init_args.max_bytes=300000",
+    "strategy.graphs.warmup_steps=2", "--log-every", "1000",
+]
+N_LAYER, WARMUP = 2, 2
+
+
+def _train_pair(tmp_path, *args: str, timeout: float = 150):
+    """The script twice under torchrun (2 processes): cg engine, then eager Accelerate. Returns both outputs."""
+    results = []
+    for mode in ("cg", "eager"):
+        out = str(tmp_path / f"{mode}.pt")
+        extra = ["--eager"] if mode == "eager" else []
+        log_dir = tmp_path / mode
+        log_dir.mkdir()
+        run_all([torchrun(SCRIPT, *TINY, *args, *extra, "--out", out)], str(log_dir), timeout=timeout)
+        results.append(torch.load(out))
+    cg, eager = results
+    for r in results:
+        assert r["run"]["distributed_type"] == "MULTI_CPU" and r["run"]["num_processes"] == 2, r["run"]
+    assert eager["run"]["eager"] and eager["stats"] is None and not cg["run"]["eager"]
+    return cg, eager
+
+
+def _assert_parity(cg, eager, tol: float) -> None:
+    assert len(cg["losses"]) == len(eager["losses"]) and len(cg["losses"][0]) == 2
+    loss_diff = max_rel_diff(cg["losses"], eager["losses"])
+    weight_diff = state_rel_diff(cg["state"], eager["state"])
+    print(f"max relative difference: losses {loss_diff:.3g}, final weights {weight_diff:.3g}")
+    assert loss_diff < tol
+    assert weight_diff < tol
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_two_process_parity_with_clipping(tmp_path):
+    """12 steps, 2 processes, clip_grad_norm_(max_norm=0.05) on every step (the norms are ~2-4, so every
+    step is clipped): losses per step and rank, pre-clip norms and final weights equal eager Accelerate
+    within 1e-5; graphs replayed every step after warmup."""
+    steps = 12
+    cg, eager = _train_pair(tmp_path, "--max-steps", str(steps), "trainer.gradient_clip_val=0.05")
+    _assert_parity(cg, eager, 1e-5)
+    assert len(cg["grad_norms"]) == steps and min(eager["grad_norms"]) > 0.05  # clipping was active
+    assert max_rel_diff(cg["grad_norms"], eager["grad_norms"]) < 1e-5
+    stats = cg["stats"]
+    assert stats["captured_runners"] == N_LAYER
+    assert stats["forward_replays"] == N_LAYER * (steps - WARMUP)
+    assert stats["fallback_calls"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_two_process_gradient_accumulation_parity(tmp_path):
+    """accelerator.accumulate with 4 micro-batches per step (engine.no_sync on the first three), clipping on:
+    equal to eager Accelerate within 1e-5; every micro-batch after warmup replays the graphs."""
+    steps, accumulation = 6, 4
+    cg, eager = _train_pair(tmp_path, "--max-steps", str(steps), "--gradient-accumulation-steps", str(accumulation),
+                            "trainer.gradient_clip_val=0.05")
+    assert len(cg["losses"]) == steps * accumulation
+    _assert_parity(cg, eager, 1e-5)
+    assert len(cg["grad_norms"]) == steps
+    assert max_rel_diff(cg["grad_norms"], eager["grad_norms"]) < 1e-5
+    assert cg["stats"]["captured_runners"] == N_LAYER
+    assert cg["stats"]["forward_replays"] == N_LAYER * accumulation * (steps - WARMUP)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_two_process_bf16_parity(tmp_path):
+    """mixed_precision="bf16" (Accelerate's autocast around the model's forward) on CPU: equal to eager
+    Accelerate in bf16 within 1e-2."""
+    from accelerate.utils import is_bf16_available
+
+    if not is_bf16_available(True):
+        pytest.skip("Accelerate reports no bf16 support on this machine")
+    steps = 10
+    cg, eager = _train_pair(tmp_path, "--max-steps", str(steps), "--mixed-precision", "bf16")
+    assert cg["run"]["mixed_precision"] == eager["run"]["mixed_precision"] == "bf16"
+    _assert_parity(cg, eager, 1e-2)
+    assert cg["stats"]["forward_replays"] == N_LAYER * (steps - WARMUP)
+
+
+# ---------------------------------------------------------------------------------- one process, in-process
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _run_script_in_process(tmp_path, name: str, *args: str) -> dict:
+    from accelerate.state import AcceleratorState, GradientState
+
+    from examples.train_accelerate import main
+
+    out = str(tmp_path / f"{name}.pt")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    main([*TINY, "--cpu", *args, "--out", out])
+    return torch.load(out)
+
+
+@pytest.mark.timeout(120)
+def test_single_process_accumulation_parity(tmp_path, fresh_accelerate_state):
+    """One process: Accelerate's own no_sync does nothing there, the engine's must still keep the first
+    micro-batches from finishing the sync (else the gradients would be added twice)."""
+    args = ["--max-steps", "5", "--gradient-accumulation-steps", "2", "trainer.gradient_clip_val=0.05"]
+    cg = _run_script_in_process(tmp_path, "cg", *args)
+    eager = _run_script_in_process(tmp_path, "eager", *args, "--eager")
+    assert cg["run"]["distributed_type"] == "NO" and len(cg["losses"][0]) == 1
+    assert max_rel_diff(cg["losses"], eager["losses"]) < 1e-5
+    assert max_rel_diff(cg["grad_norms"], eager["grad_norms"]) < 1e-5
+    assert state_rel_diff(cg["state"], eager["state"]) < 1e-5
+    assert cg["stats"]["forward_replays"] == N_LAYER * 2 * (5 - WARMUP)
+
+
+def _tiny_setup(accelerator):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return (model, *accelerator.prepare(model, optimizer))
+
+
+def test_prepare_wraps_in_engine_and_unwraps(fresh_accelerate_state):
+    from cg_lightning.accelerate import CUDAGraphAccelerator, GradBufferOptimizer, GraphedDataParallel
+
+    accelerator = CUDAGraphAccelerator(cpu=True, graphs={"enabled": False})
+    raw, model, optimizer = _tiny_setup(accelerator)
+    assert isinstance(model, GraphedDataParallel) and isinstance(optimizer, GradBufferOptimizer)
+    assert accelerator.unwrap_model(model) is raw
+    assert accelerator.get_state_dict(model).keys() == raw.state_dict().keys()
+    x = torch.randn(3, 4)
+    accelerator.backward(model(x).sum())
+    assert all(p.grad is p.main_grad for p in raw.parameters())  # exposed for clipping and the optimizer
+    before = [p.detach().clone() for p in raw.parameters()]
+    optimizer.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, raw.parameters()))
+    optimizer.zero_grad()
+    assert all(p.grad is None and not p.main_grad.any() for p in raw.parameters())
+    accelerator.backward(model(x).sum())
+    model.zero_grad()  # nn.Module.zero_grad on the prepared model also reaches main_grad
+    assert all(p.grad is None and not p.main_grad.any() for p in raw.parameters())
+
+
+def test_loss_backward_instead_of_accelerator_backward_is_an_error(fresh_accelerate_state):
+    from cg_lightning.accelerate import CUDAGraphAccelerator
+
+    accelerator = CUDAGraphAccelerator(cpu=True, graphs={"enabled": False})
+    _, model, optimizer = _tiny_setup(accelerator)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="accelerator.backward"):
+        optimizer.step()
+
+
+def test_torch_ddp_kwargs_refused(fresh_accelerate_state):
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from cg_lightning.accelerate import CUDAGraphAccelerator
+
+    with pytest.raises(ValueError, match="DistributedDataParallelKwargs"):
+        CUDAGraphAccelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=5)])
+
+
+def test_engine_packages_do_not_import_accelerate():
+    """graphs/ and ddp/ import only torch: the same engine serves Lightning, Accelerate and plain PyTorch."""
+    import ast
+
+    for sub in ("graphs", "ddp"):
+        folder = os.path.join(ROOT, "cg_lightning", sub)
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".py"):
+                continue
+            tree = ast.parse(open(os.path.join(folder, name)).read())
+            for node in ast.walk(tree):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                for mod in mods:
+                    assert mod.split(".")[0] not in ("accelerate", "lightning", "pytorch_lightning", "omegaconf"), (
+                        f"cg_lightning/{sub}/{name} imports {mod}")
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList(
+            [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)]
+        )
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _train_with_raw_optimizer(accelerator, steps: int):
+    torch.manual_seed(0)
+    model = _Blocks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared = accelerator.prepare(model)  # the optimizer is not prepared: its zero_grad only drops param.grad
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        loss = prepared(torch.randn(5, 4, generator=g)).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, prepared
+
+
+def test_unprepared_optimizer_matches_eager(fresh_accelerate_state):
+    """A raw optimizer's zero_grad (param.grad = None) still zeroes main_grad before the next backward, and
+    the graph schedule counts steps without the optimizer: graphs replay from step 2 on, results equal."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from cg_lightning.accelerate import CUDAGraphAccelerator
+
+    steps = 6
+    cg_losses, cg_state, engine = _train_with_raw_optimizer(
+        CUDAGraphAccelerator(cpu=True, graphs={"warmup_steps": 2}), steps)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    ref_losses, ref_state, _ = _train_with_raw_optimizer(Accelerator(cpu=True), steps)
+    assert engine.graph_stats.captured_runners == 2
+    assert engine.graph_stats.forward_replays == 2 * (steps - 2)
+    assert max_rel_diff(cg_losses, ref_losses) < 1e-6
+    assert state_rel_diff(cg_state, ref_state) < 1e-6
+
+
+def test_torch_compile_refused_at_prepare(fresh_accelerate_state):
+    from cg_lightning.accelerate import CUDAGraphAccelerator
+
+    accelerator = CUDAGraphAccelerator(cpu=True, dynamo_backend="inductor")
+    with pytest.raises(ValueError, match="dynamo"):
+        accelerator.prepare(torch.nn.Linear(2, 2))
