@@ -92,6 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if a.sizes:
             ap.error("--smoke runs its own size; leave out --sizes")
         a.sizes = [SMOKE_SIZE_NAME]
+        # A smoke run takes seconds; if one ever stalls, leave every thread's stack on stderr for the test.
+        import faulthandler
+
+        faulthandler.dump_traceback_later(60, exit=False)
     else:
         a.sizes = a.sizes or list(SIZES)
         bad = [s for s in a.sizes if s not in SIZES]

@@ -25,10 +25,15 @@ CUDA_PEERS = ("torch_ddp_graphed", "compile_reduce_overhead", "whole_step_graph"
 @pytest.mark.timeout(180)
 def test_smoke_run_writes_a_row_per_peer(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--out", str(tmp_path)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
+        )
+    except subprocess.TimeoutExpired as exc:  # normally ~5 s; show where it stalled (faulthandler dump)
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        raise AssertionError(f"smoke run stalled:\n{out[-2000:]}\n{err[-6000:]}") from exc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "step_time_smoke_cpu.json").read_text())
 
