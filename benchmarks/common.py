@@ -9,6 +9,7 @@ synchronization at each window boundary only, so the CPU may run ahead inside a 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import socket
 import statistics
@@ -255,6 +256,11 @@ def loss_value(loss: Optional[Tensor]) -> Optional[float]:
 # ----------------------------------------------------------------------------- process group, memory
 
 
+#: Rendezvous and collective timeout of every peer's process group: a stalled peer becomes an error row
+#: instead of blocking the run for torch's default 30 minutes.
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -276,7 +282,8 @@ def single_process_group(device: torch.device):
 
     destroy_process_group()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=PROCESS_GROUP_TIMEOUT)
     try:
         yield
     finally:

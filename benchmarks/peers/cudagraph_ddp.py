@@ -12,7 +12,10 @@ def run(s: RunSettings) -> PeerResult:
     import cg_lightning
     from benchmarks.peers._lightning import fit_timed
 
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": s.cg_warmup_steps})
+    from benchmarks.common import PROCESS_GROUP_TIMEOUT
+
+    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": s.cg_warmup_steps},
+                                                 timeout=PROCESS_GROUP_TIMEOUT)
     timing, trainer = fit_timed(s, strategy)
     stats = getattr(trainer.strategy, "last_graph_stats", None)
     extra = {"graph_warmup_steps": s.cg_warmup_steps}

@@ -9,7 +9,11 @@ from benchmarks.peers import Peer
 def run(s: RunSettings) -> PeerResult:
     from benchmarks.peers._lightning import fit_timed
 
-    timing, _ = fit_timed(s, "ddp")
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from benchmarks.common import PROCESS_GROUP_TIMEOUT
+
+    timing, _ = fit_timed(s, DDPStrategy(timeout=PROCESS_GROUP_TIMEOUT))
     return PeerResult(timing.ms_per_step, timing.warmup_s, final_loss=loss_value(timing.last_loss))
 
 
