@@ -123,12 +123,22 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             manager.end_step()
             if manager.stats.captures != captures:
                 stats = manager.stats
-                rank_zero_info(
+                self._announce(
                     f"cg_lightning: captured {stats.captured_runners} layer calls "
                     f"({', '.join(layer.name for layer in manager.layers)}) with the {stats.backend} backend "
                     f"in {stats.capture_seconds:.2f} s"
                     + (f" ({stats.graph_sets} graph sets)" if stats.graph_sets > 1 else "")
                 )
+
+    def _announce(self, message: str) -> None:
+        """Rank 0 prints ``message`` on its own line: through the progress bar when one is drawn (a plain log
+        line would be glued to the bar's unfinished line), else through Lightning's rank-zero logger."""
+        trainer = self.lightning_module.trainer
+        bar = getattr(trainer, "progress_bar_callback", None)
+        if bar is not None and trainer.is_global_zero and getattr(bar, "is_enabled", False):
+            bar.print(message)
+        else:
+            rank_zero_info(message)
 
     @contextmanager
     def block_backward_sync(self) -> Generator:
