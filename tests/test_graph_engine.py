@@ -396,3 +396,131 @@ def test_weight_of_a_graphed_layer_also_used_outside_graphs():
     assert manager.stats.forward_replays == 2 * 3
     _assert_grads_equal(got, ref)
     assert counts == ref_counts == [1] * 4
+
+
+def test_requires_grad_changed_after_capture_is_a_named_error():
+    """Unfreezing (or freezing) a graphed layer's parameter after capture would silently keep the old
+    gradient set: the replay refuses, naming the layer and parameter; the engine refuses a parameter frozen
+    at setup that now requires grad."""
+    from cg_lightning import GraphCaptureError
+
+    torch.manual_seed(0)
+    model = em.Stack(em.SeedLayer, 16, 2, recompute=False)
+    model.layers[1].projection.weight.requires_grad_(False)
+    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    engine = DataParallelEngine(model, DDPOptions())
+    for step in range(2):
+        manager.begin_step(step)
+        engine(torch.randn(4, 16)).backward()
+        engine.finish_grad_sync()
+        engine.zero_grad_buffer()
+    model.layers[1].projection.weight.requires_grad_(True)
+    manager.begin_step(2)
+    with pytest.raises(GraphCaptureError, match=r"layer 'layers\.1': parameter 'projection\.weight' changed requires_grad from False to True"):
+        engine(torch.randn(4, 16))
+    manager.remove()
+    engine(torch.randn(4, 16)).backward()
+    with pytest.raises(GradSyncError, match=r"frozen when training started now require grad \(layers\.1\.projection\.weight\)"):
+        engine.finish_grad_sync()
+
+
+class _PassThrough(torch.nn.Module):
+    """Returns (f(x, ctx), ctx): the second output is an input, unchanged (a context threaded through)."""
+
+    def __init__(self, d: int, recompute: bool = True) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x, ctx):
+        return self.lin(x) * torch.sigmoid(ctx), ctx
+
+
+def test_output_that_is_an_input_replays_like_eager():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ctx = torch.nn.Linear(16, 16)
+            self.layers = torch.nn.ModuleList([_PassThrough(16) for _ in range(2)])
+
+        def forward(self, x):
+            ctx = self.ctx(x)
+            h = x
+            for layer in self.layers:
+                h, ctx = layer(h, ctx)
+            return (h * ctx).pow(2).mean()
+
+    def run(graphed):
+        torch.manual_seed(0)
+        model = Model()
+        manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"],
+                                                   enabled=graphed), torch.device("cpu"))
+        engine = DataParallelEngine(model, DDPOptions())
+        out = []
+        for step, x in enumerate(_data(4, 16, "cpu")):
+            manager.begin_step(step)
+            engine(x).backward()
+            manager.end_step()
+            engine.finish_grad_sync()
+            out.append({k: p.main_grad.clone() for k, p in model.named_parameters()})
+            engine.zero_grad_buffer()
+        return out, manager
+
+    ref, _ = run(False)
+    got, manager = run(True)
+    assert manager.stats.forward_replays == 2 * 3
+    _assert_grads_equal(got, ref)
+
+
+class _InplaceOnInput(torch.nn.Module):
+    def __init__(self, d: int, recompute: bool = True) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(torch.relu_(x))
+
+
+def test_capture_failure_in_warmup_is_named_and_can_fall_back():
+    """A layer that modifies its input in place fails in warmup: a GraphCaptureError naming the layer and
+    the cause; with on_capture_error='eager' training goes on eagerly and matches eager."""
+    from cg_lightning import GraphCaptureError
+
+    def run(graphed, on_error="raise"):
+        torch.manual_seed(0)
+        model = em.Stack(_InplaceOnInput, 16, 2)
+        manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"],
+                                                   enabled=graphed, on_capture_error=on_error), torch.device("cpu"))
+        engine = DataParallelEngine(model, DDPOptions())
+        out = []
+        for step, x in enumerate(_data(3, 16, "cpu")):
+            manager.begin_step(step)
+            engine(x).backward()
+            engine.finish_grad_sync()
+            out.append({k: p.main_grad.clone() for k, p in model.named_parameters()})
+            engine.zero_grad_buffer()
+        return out
+
+    with pytest.raises(GraphCaptureError, match=r"warmup of layer 'layers\.0'.*modifies one of its inputs in place"):
+        run(True)
+    with pytest.warns(UserWarning, match=r"layers\.0"):
+        got = run(True, "eager")
+    _assert_grads_equal(got, run(False))
+
+
+def test_graphed_layer_inside_non_reentrant_checkpoint_is_refused():
+    import torch.utils.checkpoint as tcp
+    from cg_lightning import GraphCaptureError
+
+    torch.manual_seed(0)
+    model = em.Stack(em.SeedLayer, 16, 1, recompute=False)
+    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+
+    def loss(x):
+        h = tcp.checkpoint(model.layers[0], model.inp(x), use_reentrant=False)
+        return model.head(h).pow(2).mean()
+
+    manager.begin_step(0)
+    loss(torch.randn(4, 16)).backward()
+    manager.begin_step(1)
+    with pytest.raises(GraphCaptureError, match=r"saved-tensor hooks.*non-reentrant torch\.utils\.checkpoint"):
+        loss(torch.randn(4, 16))

@@ -117,8 +117,28 @@ def test_signature_mismatch_is_a_clear_error():
         g(torch.randn(3, 8, requires_grad=True))
 
 
-def test_function_and_keyword_inputs():
+def test_function_closing_over_a_tensor_that_requires_grad_is_refused():
+    """The graph could return no gradient for it (torch's version silently drops it): a named error instead."""
     w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        return x @ w
+
+    with pytest.raises(cg_lightning.GraphCaptureError, match=r"'fn'.*neither its inputs nor its own parameters \(Tensor\[8, 8\]\)"):
+        cg_lightning.make_graphed_callables(fn, (torch.randn(2, 8, requires_grad=True),), backend="eager")
+
+
+def test_same_callable_called_twice_before_backward_is_an_error():
+    lin = nn.Linear(8, 8)
+    g = cg_lightning.make_graphed_callables(lin, (torch.randn(2, 8, requires_grad=True),), backend="eager")
+    y1 = g(torch.randn(2, 8, requires_grad=True))
+    g(torch.randn(2, 8, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"called again before the backward of an earlier call"):
+        y1.sum().backward()
+
+
+def test_function_and_keyword_inputs():
+    w = torch.randn(8, 8)  # a constant: tensors that require grad must be arguments
 
     def fn(x, *, scale):
         return (x @ w) * scale

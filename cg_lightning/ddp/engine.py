@@ -76,6 +76,7 @@ class DataParallelEngine(nn.Module):
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.params: List[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self._frozen: List[nn.Parameter] = [p for p in module.parameters() if not p.requires_grad]
         self.names: Dict[nn.Parameter, str] = {}
         for name, p in module.named_parameters():
             self.names.setdefault(p, name)
@@ -223,6 +224,7 @@ class DataParallelEngine(nn.Module):
                 count (or, in the first iteration, that never reported ready), or the ranks' golden counts
                 differ, or another rank did not reach this point within ``timeout_s``.
         """
+        self._refuse_unfrozen()
         missing = [(p, b) for b in self.buckets for p in b.missing()]
         self.last_ready_counts = {self.names.get(p, "?"): c for b in self.buckets for p, c in b.counts.items()}
         self._agree(missing)
@@ -239,6 +241,17 @@ class DataParallelEngine(nn.Module):
         self.iteration += 1
         self.last_dispatch_order = self.dispatch_log
         self.dispatch_log = []
+
+    def _refuse_unfrozen(self) -> None:
+        unfrozen = [p for p in self._frozen if p.requires_grad]
+        if unfrozen:
+            names = ", ".join(n for n, p in self.module.named_parameters() if any(p is q for q in unfrozen))
+            raise GradSyncError(
+                f"rank {self.rank}: parameters frozen when training started now require grad ({names}). The "
+                "engine sized its gradient buffers and hooks at setup, so their gradients would be neither "
+                "reduced across ranks nor checked. Unfreeze before Trainer.fit (or start a new fit after "
+                "unfreezing)."
+            )
 
     def _describe(self, missing) -> List[str]:
         out = []

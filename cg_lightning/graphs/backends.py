@@ -45,6 +45,8 @@ class _EagerGraph(CapturedGraph):
         with torch.no_grad():
             for static, fresh in zip(self.outputs, new):
                 if static is not None and fresh is not None:
+                    if static.data_ptr() == fresh.data_ptr() and static.stride() == fresh.stride():
+                        continue  # an output that is (a view of) a static input: already in place
                     static.copy_(fresh)
                 elif static is not None:
                     static.zero_()

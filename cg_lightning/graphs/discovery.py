@@ -35,6 +35,26 @@ def reachable_leaves(outputs: Iterable[torch.Tensor]) -> Set[int]:
     return found
 
 
+def leaf_tensors(outputs: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """Every leaf tensor (one with an ``AccumulateGrad`` node) reachable from ``outputs``, each once."""
+    found: Dict[int, torch.Tensor] = {}
+    seen: Dict[int, object] = {}
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    for o in outputs:
+        if isinstance(o, torch.Tensor) and o.grad_fn is None and o.requires_grad:
+            found.setdefault(id(o), o)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.setdefault(id(variable), variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
+
+
 def leaves_inside(outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor]) -> Set[int]:
     """``id`` of the leaves reachable from ``outputs`` without passing through ``inputs``.
 

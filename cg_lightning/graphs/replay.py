@@ -19,6 +19,7 @@ class ReplayFunction(torch.autograd.Function):
     def forward(ctx, runner, *tensors):
         ctx.runner = runner
         outputs = runner.replay_forward(tensors[: runner.num_inputs])
+        ctx.generation = runner.forward_generation
         non_diff = [o for o, g in zip(outputs, runner.output_requires_grad) if not g]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
@@ -27,4 +28,5 @@ class ReplayFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grad_outputs):
+        ctx.runner.check_generation(ctx.generation)
         return (None, *ctx.runner.replay_backward(grad_outputs))

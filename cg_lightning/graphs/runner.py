@@ -48,7 +48,7 @@ import torch
 from .buffer_reuse import check_shared_inputs
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
-from .discovery import owned_parameters, params_to_backprop, reachable_leaves
+from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reachable_leaves
 from .signature import CallSignature
 from .state import graph_capture, graph_warmup, grad_ready_reporter, recording_grad_ready
 from torch.utils import _pytree as pytree
@@ -137,6 +137,8 @@ class LayerGraphRunner:
         self._foreign_params: List[torch.nn.Parameter] = []
         self._main_grad_params: List[torch.nn.Parameter] = []
         self.recorded_occurrences: List[torch.nn.Parameter] = []
+        self._requires_grad_at_capture: List[bool] = []
+        self.forward_generation = 0
 
     # ----------------------------------------------------------------- building
     def _run_module(self, inputs: Sequence[torch.Tensor]):
@@ -160,7 +162,26 @@ class LayerGraphRunner:
 
         First one probe forward exactly as eager training runs it (recomputation on): the parameters it
         reaches from the outputs are the ones eager execution reports ready in the outer backward.
+
+        Raises:
+            GraphCaptureError: naming the layer, if a pass fails or the layer runs under saved-tensor
+                hooks (an enclosing non-reentrant ``torch.utils.checkpoint``).
         """
+        if _saved_tensor_hooks_active():
+            raise GraphCaptureError(
+                f"could not capture layer {self.name!r}: it runs under saved-tensor hooks, e.g. inside a "
+                "non-reentrant torch.utils.checkpoint around the layer, whose recomputation would replay the "
+                "graph a second time. Checkpoint inside the layer instead (cg_lightning.checkpoint or "
+                "torch.utils.checkpoint within its forward), or leave the layer out of graphs.layers."
+            )
+        try:
+            self._warmup_passes()
+        except GraphCaptureError:
+            raise
+        except Exception as exc:
+            raise GraphCaptureError(_capture_failure(self.name, "warmup", exc)) from exc
+
+    def _warmup_passes(self) -> None:
         inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in self.static_inputs]
         outs, _ = self._run_module(inputs)
         self._eager_visible = reachable_leaves(outs)
@@ -212,6 +233,8 @@ class LayerGraphRunner:
         outs = self._autograd_outputs
         self.output_requires_grad = [o.requires_grad for o in outs]
         self._visible = reachable_leaves(outs)
+        self._refuse_foreign_leaves(outs)
+        self._requires_grad_at_capture = [p.requires_grad for p in self.owned]
         self.params_to_backprop = params_to_backprop(self.owned, self._visible, self._warmup_reachable)
         self.hidden_params = [p for p in self.params_to_backprop if id(p) not in self._visible]
         self._anchors = [self._anchor] if id(self._anchor) in self._visible else []
@@ -227,6 +250,34 @@ class LayerGraphRunner:
             for p in self.edge_params
         ]
         self.static_grad_outputs = [torch.zeros_like(o) if g else None for o, g in zip(outs, self.output_requires_grad)]
+
+    def _refuse_foreign_leaves(self, outs) -> None:
+        """A leaf that requires grad, is reachable from the outputs and is neither an input nor owned by the
+        layer (a parameter of another module used directly, or closed over by a function) would get no
+        gradient from the graph: refuse it by name rather than lose it."""
+        known = set(map(id, self.owned)) | set(map(id, self.static_inputs))
+        if self._anchor is not None:
+            known.add(id(self._anchor))
+        foreign = [t for t in leaf_tensors(outs) if t.requires_grad and id(t) not in known]
+        if foreign:
+            what = ", ".join(f"{type(t).__name__}{list(t.shape)}" for t in foreign[:5])
+            raise GraphCaptureError(
+                f"could not capture layer {self.name!r}: its outputs depend on {len(foreign)} tensor(s) that "
+                f"require grad but are neither its inputs nor its own parameters ({what}); the graph would "
+                "return no gradient for them. Register the module that holds them as a submodule of the "
+                "layer, pass them as arguments, or leave the layer out of graphs.layers."
+            )
+
+    def _check_requires_grad_unchanged(self) -> None:
+        for p, was in zip(self.owned, self._requires_grad_at_capture):
+            if p.requires_grad != was:
+                name = next((n for n, q in self.module.named_parameters() if q is p), "?")
+                raise GraphCaptureError(
+                    f"layer {self.name!r}: parameter {name!r} changed requires_grad from {was} to "
+                    f"{p.requires_grad} after the layer's graphs were captured; they would keep computing "
+                    "gradients for the old set. Freeze or unfreeze parameters before training starts (or "
+                    "before the capture step, graphs.warmup_steps), or leave the layer out of graphs.layers."
+                )
 
     def _backward_body(self) -> List[Optional[torch.Tensor]]:
         with graph_capture():
@@ -335,6 +386,8 @@ class LayerGraphRunner:
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> tuple:
         if self.shared_inputs:
             check_shared_inputs(self, inputs)
+        self._check_requires_grad_unchanged()
+        self.forward_generation += 1
         with torch.no_grad():
             for static, x in zip(self.static_inputs, inputs):
                 if static.data_ptr() != x.data_ptr():
@@ -342,6 +395,16 @@ class LayerGraphRunner:
         self._fwd.replay()
         self.replays += 1
         return tuple(o.detach() for o in self._fwd.outputs)
+
+    def check_generation(self, generation: int) -> None:
+        """Raise if the forward replay whose backward is due was followed by another forward replay."""
+        if generation != self.forward_generation:
+            raise RuntimeError(
+                f"graphed {self.name!r} was called again before the backward of an earlier call reached it: its "
+                "static buffers hold only the latest call, so that backward would be wrong. Run the backward "
+                "before calling the same graphed layer again, or graph each call separately (one entry per "
+                "call in make_graphed_callables' tuple)."
+            )
 
     def replay_backward(self, grad_outputs: Sequence[Optional[torch.Tensor]]) -> tuple:
         """Returns gradients for the input tensors, then for ``edge_params``."""
@@ -373,6 +436,11 @@ class LayerGraphRunner:
         return pytree.tree_unflatten(list(flat), self._out_spec)
 
 
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
 def _capture_failure(name: str, what: str, exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, HostSyncError):
@@ -386,6 +454,10 @@ def _capture_failure(name: str, what: str, exc: BaseException) -> str:
     if "capture" in low and ("sync" in low or "not permitted" in low or "operation not permitted" in low):
         hints.append("a host synchronization (.item(), printing a tensor, a CPU copy, data-dependent Python "
                      "control flow) inside the layer")
+    if "leaf variable that requires grad is being used in an in-place operation" in low:
+        hints.append("the layer modifies one of its inputs in place (e.g. ReLU(inplace=True) applied to the "
+                     "input); a graphed layer receives its inputs as static leaf tensors, so make that operation "
+                     "out of place")
     if not hints:
         hints.append("a host synchronization, data-dependent control flow, a module hook or a CPU tensor")
     return (
