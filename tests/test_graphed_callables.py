@@ -227,3 +227,13 @@ def test_memory_saving_mode_uses_less_graph_memory():
     plain, reuse = captured_bytes(False), captured_bytes(True)
     print(f"graph memory beyond parameters: plain {plain / 2**20:.1f} MiB, reuse {reuse / 2**20:.1f} MiB")
     assert reuse < plain
+
+
+def test_sample_args_must_be_a_tuple():
+    with pytest.raises(TypeError, match=r"sample_args must be a tuple of the callable's positional arguments, e\.g\. \(x,\), got Tensor"):
+        cg_lightning.make_graphed_callables(nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True), backend="eager")
+
+
+def test_wrong_sample_shape_names_the_callable():
+    with pytest.raises(cg_lightning.GraphCaptureError, match=r"warmup of layer 'Linear#0'"):
+        cg_lightning.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 5, requires_grad=True),), backend="eager")

@@ -87,8 +87,16 @@ def make_graphed_callables(
         BufferReuseError: at call time, in memory-saving mode, if callable ``i+1`` is not given callable
             ``i``'s output.
         ValueError: on mismatched lengths of ``callables``/``sample_args``/``sample_kwargs``.
+        TypeError: if ``sample_args`` is not a tuple of arguments (or of argument tuples).
     """
     single = not isinstance(callables, tuple)
+    if single and not isinstance(sample_args, (tuple, list)):
+        raise TypeError(
+            f"sample_args must be a tuple of the callable's positional arguments, e.g. (x,), got "
+            f"{type(sample_args).__name__}; for a tuple of callables, a tuple of such tuples"
+        )
+    if not single and any(not isinstance(a, (tuple, list)) for a in sample_args):
+        raise TypeError("with a tuple of callables, sample_args must be a tuple of argument tuples, one per callable")
     if single:
         callables, sample_args = (callables,), (sample_args,)
         sample_kwargs = (sample_kwargs or {},)
