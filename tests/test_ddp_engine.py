@@ -120,3 +120,21 @@ def test_main_grad_dtype_option():
     engine.expose_grads()
     assert lin.weight.grad.dtype == torch.bfloat16
     torch.testing.assert_close(lin.weight.grad, expected.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_more_reports_than_golden_is_a_named_error():
+    """A parameter reporting ready more often than in the first iteration (two backward passes before one
+    finish_grad_sync) is an error naming it, as a missing one is."""
+    import torch
+
+    from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
+
+    lin = torch.nn.Linear(4, 4)
+    engine = DataParallelEngine(lin, DDPOptions())
+    lin(torch.randn(2, 4)).sum().backward()
+    engine.finish_grad_sync()
+    engine.zero_grad_buffer()
+    lin(torch.randn(2, 4)).sum().backward()
+    lin(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(GradSyncError, match=r"weight \(ready 2 times, expected 1\)"):
+        engine.finish_grad_sync()

@@ -21,7 +21,9 @@ class Bucket:
         self.data = data
         self.counts: Dict[torch.nn.Parameter, int] = {p: 0 for p in params}
         self.golden: Optional[Dict[torch.nn.Parameter, int]] = None
+        self.last_counts: Dict[torch.nn.Parameter, int] = dict(self.counts)
         self.pending = len(params)  # parameters whose count is still below golden
+        self.overshoot = False  # some parameter reported more often than its golden count
         self.handle = None
         self.dispatched = False
 
@@ -29,9 +31,13 @@ class Bucket:
         """Count one grad-ready occurrence; True when the bucket just became complete."""
         count = self.counts[param] + 1
         self.counts[param] = count
-        if self.golden is not None and count == self.golden[param]:
-            self.pending -= 1
-            return self.pending == 0
+        if self.golden is not None:
+            golden = self.golden[param]
+            if count == golden:
+                self.pending -= 1
+                return self.pending == 0
+            if count > golden:
+                self.overshoot = True
         return False
 
     @property
@@ -48,6 +54,8 @@ class Bucket:
         """Parameters whose count differs from the golden count (all zero-count ones before golden)."""
         if self.golden is None:
             return [p for p, c in self.counts.items() if c == 0]
+        if self.pending == 0 and not self.overshoot:  # the usual case: no per-parameter scan
+            return []
         return [p for p, c in self.counts.items() if c != self.golden[p]]
 
     def dispatch(self, group, world_size: int, average: bool) -> None:
@@ -65,7 +73,9 @@ class Bucket:
             self.handle = None
 
     def reset(self) -> None:
-        for p in self.counts:
-            self.counts[p] = 0
+        """Start a new iteration; this iteration's counts stay readable as ``last_counts``."""
+        self.last_counts = self.counts
+        self.counts = dict.fromkeys(self.params, 0)
+        self.overshoot = False
         self.pending = len(self.params)
         self.dispatched = False

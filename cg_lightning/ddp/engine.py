@@ -119,13 +119,17 @@ class DataParallelEngine(nn.Module):
         self.iteration = 0
         self.dispatch_log: List[int] = []  # bucket indices in dispatch order, this iteration
         self.last_dispatch_order: List[int] = []
-        self.last_ready_counts: Dict[str, int] = {}  # grad-ready count per parameter name, last iteration
         self._next_dispatch = 0
         self._buffer_sync_due = True  # torch DDP's require_forward_param_sync: the first forward syncs
         self._control_group = None
         if self.distributed and self.world_size > 1 and self.options.check_grad_ready:
             timeout = datetime.timedelta(seconds=self.options.timeout_s)
             self._control_group = dist.new_group(backend="gloo", timeout=timeout)
+
+    @property
+    def last_ready_counts(self) -> Dict[str, int]:
+        """Grad-ready count per parameter name in the last finished iteration (built on access)."""
+        return {self.names.get(p, "?"): c for b in self.buckets for p, c in b.last_counts.items()}
 
     def forward(self, *args, **kwargs):
         """Call ``module``; first broadcast its buffers from rank 0 if they are due (``broadcast_buffers``).
@@ -226,7 +230,6 @@ class DataParallelEngine(nn.Module):
         """
         self._refuse_unfrozen()
         missing = [(p, b) for b in self.buckets for p in b.missing()]
-        self.last_ready_counts = {self.names.get(p, "?"): c for b in self.buckets for p, c in b.counts.items()}
         self._agree(missing)
         if not self.golden_known:
             for b in self.buckets:

@@ -16,28 +16,14 @@ import torch
 
 def reachable_leaves(outputs: Iterable[torch.Tensor]) -> Set[int]:
     """``id`` of every leaf tensor whose ``AccumulateGrad`` node is reachable from ``outputs``."""
-    found: Set[int] = set()
-    # Python wrappers of autograd nodes are created on access and may die, and a dead wrapper's id can
-    # be reused by another node: keep every visited wrapper alive so ``id`` stays a valid identity.
-    seen: Dict[int, object] = {}
-    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
-    leaves = [o for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is None and o.requires_grad]
-    found.update(id(o) for o in leaves)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            found.add(id(variable))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    return {id(t) for t in leaf_tensors(outputs)}
 
 
 def leaf_tensors(outputs: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     """Every leaf tensor (one with an ``AccumulateGrad`` node) reachable from ``outputs``, each once."""
     found: Dict[int, torch.Tensor] = {}
+    # Python wrappers of autograd nodes are created on access and may die, and a dead wrapper's id can
+    # be reused by another node: keep every visited wrapper alive so ``id`` stays a valid identity.
     seen: Dict[int, object] = {}
     stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     for o in outputs:

@@ -210,12 +210,11 @@ class GraphManager:
 
     def _start_of_step(self, args: tuple, kwargs: dict) -> None:
         """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""
-        lead = CallSignature(args, kwargs)
         if all(layer.failure is not None for layer in self.layers):
             self._mode = "eager"  # nothing left to capture
             return
         if not self.capture_due or (not self.cache.sets and not self._warmup_record):
-            self._warmup_record = StepRecord(lead)
+            self._warmup_record = StepRecord(CallSignature(args, kwargs))
             self._mode, self._recording = "record", self._warmup_record
             return
         if self._warmup_record is not None:
@@ -236,7 +235,7 @@ class GraphManager:
             if self._active is None:
                 self._mode = "eager"
         elif not self.cache.full:
-            self._recording = StepRecord(lead)
+            self._recording = StepRecord(CallSignature(args, kwargs))
             self.cache.pending.append(self._recording)
             self._mode = "record"
         else:
@@ -245,7 +244,7 @@ class GraphManager:
                 self._cache_full_warned = True
                 warnings.warn(
                     f"cg_lightning: graphs.max_graph_sets={self.cache.limit} graph sets exist; steps with other "
-                    f"argument signatures (this one: {describe(lead)}) run eagerly. Further such steps are "
+                    f"argument signatures (this one: {describe(CallSignature(args, kwargs))}) run eagerly. Further such steps are "
                     "not reported.",
                     stacklevel=4,
                 )

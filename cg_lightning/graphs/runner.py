@@ -137,7 +137,7 @@ class LayerGraphRunner:
         self._foreign_params: List[torch.nn.Parameter] = []
         self._main_grad_params: List[torch.nn.Parameter] = []
         self.recorded_occurrences: List[torch.nn.Parameter] = []
-        self._requires_grad_at_capture: List[bool] = []
+        self._frozen_at_capture: List[torch.nn.Parameter] = []
         self.forward_generation = 0
 
     # ----------------------------------------------------------------- building
@@ -234,7 +234,7 @@ class LayerGraphRunner:
         self.output_requires_grad = [o.requires_grad for o in outs]
         self._visible = reachable_leaves(outs)
         self._refuse_foreign_leaves(outs)
-        self._requires_grad_at_capture = [p.requires_grad for p in self.owned]
+        self._frozen_at_capture = [p for p in self.owned if not p.requires_grad]
         self.params_to_backprop = params_to_backprop(self.owned, self._visible, self._warmup_reachable)
         self.hidden_params = [p for p in self.params_to_backprop if id(p) not in self._visible]
         self._anchors = [self._anchor] if id(self._anchor) in self._visible else []
@@ -268,15 +268,20 @@ class LayerGraphRunner:
                 "layer, pass them as arguments, or leave the layer out of graphs.layers."
             )
 
-    def _check_requires_grad_unchanged(self) -> None:
-        for p, was in zip(self.owned, self._requires_grad_at_capture):
-            if p.requires_grad != was:
+    def _check_still_frozen(self) -> None:
+        """A parameter frozen at capture and trainable now would silently get no gradient from the graphs.
+
+        Only those are checked (usually none, so replays pay nothing): the opposite change, a parameter
+        frozen after capture, stops reporting ready and the DDP engine names it as a missing gradient.
+        """
+        for p in self._frozen_at_capture:
+            if p.requires_grad:
                 name = next((n for n, q in self.module.named_parameters() if q is p), "?")
                 raise GraphCaptureError(
-                    f"layer {self.name!r}: parameter {name!r} changed requires_grad from {was} to "
-                    f"{p.requires_grad} after the layer's graphs were captured; they would keep computing "
-                    "gradients for the old set. Freeze or unfreeze parameters before training starts (or "
-                    "before the capture step, graphs.warmup_steps), or leave the layer out of graphs.layers."
+                    f"layer {self.name!r}: parameter {name!r} changed requires_grad from False to True after the "
+                    "layer's graphs were captured; they would keep computing gradients for the old set. Freeze "
+                    "or unfreeze parameters before training starts (or before the capture step, "
+                    "graphs.warmup_steps), or leave the layer out of graphs.layers."
                 )
 
     def _backward_body(self) -> List[Optional[torch.Tensor]]:
@@ -386,7 +391,8 @@ class LayerGraphRunner:
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> tuple:
         if self.shared_inputs:
             check_shared_inputs(self, inputs)
-        self._check_requires_grad_unchanged()
+        if self._frozen_at_capture:
+            self._check_still_frozen()
         self.forward_generation += 1
         with torch.no_grad():
             for static, x in zip(self.static_inputs, inputs):
