@@ -2,7 +2,8 @@
 # What the GPU machine must show after graph/DDP/strategy changes.
 # Usage (repository root, GPU machine): bash scripts/gpu_checks.sh OUTDIR [tests|bench|main|all] [small_steps]
 #   tests: the cuda-marked tests;  bench: benchmarks/step_time.py, every peer at the tiny, small and compute sizes;
-#   main: the main job on configs/gpt_small.yaml;  all: the three in that order.
+#   main: the main job on configs/gpt_small.yaml;  accelerate: examples/train_accelerate.py on 1 GPU, real graphs
+#   against the eager Accelerate run (fp32 and bf16, 2 micro-batches per step);  all: tests, bench, main.
 # Wheels for packages the GPU image lacks (omegaconf) may lie in .whl/ and are installed to /tmp/site.
 set -uo pipefail
 out=${1:-/tmp/gpu_checks}; what=${2:-all}; small_steps=${3:-200}
@@ -33,5 +34,17 @@ import csv, sys
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r.get("train_loss")]
 print("main job train_loss: first", rows[0]["train_loss"], "last", rows[-1]["train_loss"], "rows", len(rows))
 PY
+fi
+if [ "$what" = accelerate ]; then
+  A="examples/train_accelerate.py --config configs/gpt_small.yaml --max-steps ${ACC_STEPS:-30} --gradient-accumulation-steps 2"
+  for mp in no bf16; do
+    for mode in eager graphs; do
+      flag=; [ $mode = eager ] && flag=--eager
+      python3 $A --mixed-precision $mp $flag --log-every 10 --out "$out/acc_${mp}_$mode.pt" 2>&1 \
+        | tee "$out/acc_${mp}_$mode.log" | tail -3 || status=1
+    done
+  done
+  python3 scripts/accelerate_report.py "$out/accelerate_1gpu.md" "$out"/acc_no_eager.pt "$out"/acc_no_graphs.pt \
+    "$out"/acc_bf16_eager.pt "$out"/acc_bf16_graphs.pt || status=1
 fi
 exit $status

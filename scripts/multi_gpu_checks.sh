@@ -30,6 +30,13 @@ pairs+=("tied_accum4(cg:recompute-loss)=$out/tied_accum4.ddp.pt,$out/tied_accum4
 run seed_hidden ddp --model seed --steps 10 --warmup-steps 1
 run seed_hidden cudagraph_ddp --model seed --steps 10 --warmup-steps 1
 pairs+=("checkpoint_hidden_param=$out/seed_hidden.ddp.pt,$out/seed_hidden.cudagraph_ddp.pt")
+# Kernel noise or engine error? Lightning "ddp" against itself, and both strategies with deterministic kernels.
+M=$SMALL
+run small_32-true_repeat ddp $M --precision 32-true --steps 50
+pairs+=("small_32-true(ddp_vs_ddp)=$out/small_32-true.ddp.pt,$out/small_32-true_repeat.ddp.pt")
+run small_32-true_det ddp $M --precision 32-true --steps 50 --deterministic
+run small_32-true_det cudagraph_ddp $M --precision 32-true --steps 50 --deterministic
+pairs+=("small_32-true(deterministic)=$out/small_32-true_det.ddp.pt,$out/small_32-true_det.cudagraph_ddp.pt")
 python3 scripts/parity_report.py "$out/parity_2gpu.md" "${pairs[@]}"
 for sc in overlap stuck missing; do
   mkdir -p "$out/engine_$sc"

@@ -181,6 +181,8 @@ def main(argv=None) -> None:
                          "bn: two Linear+BatchNorm1d blocks (graphed as 'blocks.*') on rank-dependent data")
     ap.add_argument("--no-broadcast-buffers", action="store_true",
                     help="cudagraph_ddp only: ddp.broadcast_buffers=False")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="Trainer(deterministic=True): deterministic kernels, to tell kernel noise from engine errors")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -221,7 +223,7 @@ def main(argv=None) -> None:
         max_steps=a.steps, accumulate_grad_batches=a.accumulate, gradient_clip_val=a.gradient_clip_val,
         gradient_clip_algorithm=a.gradient_clip_algorithm, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[rec, counts, bufs, norms],
+        callbacks=[rec, counts, bufs, norms], deterministic=a.deterministic or None,
     )
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
