@@ -1,50 +1,70 @@
 #!/usr/bin/env bash
-# Two-GPU (NCCL) parity and failure checks for issue 9; run on the nvidia-h200-x2 machine from the repo root:
-#   bash scripts/multi_gpu_checks.sh OUTDIR
+# Two-GPU (NCCL) parity, failure and scaling checks for issue 9, on the nvidia-h200-x2 machine, repo root:
+#   bash scripts/multi_gpu_checks.sh WORKDIR [REPORTDIR] [sections...]
+# sections (default: all, in this order): small models engine scaling accelerate
+#   small       small GPT (d=768, T=512), 20 steps: both strategies with deterministic kernels, Lightning "ddp"
+#               against itself (tells kernel noise from engine error), bf16-mixed pair, fp32 pair
+#   models      tied weights + accumulation (loss recomputed), checkpoint-hidden-parameter seed model
+#   engine      engine_dist.py scenarios overlap, stuck, missing (NCCL, engine timeout 10 s)
+#   scaling     benchmarks/scaling.py, sizes $SCALING_SIZES (default tiny small), ddp and cudagraph_ddp, 1 and 2 GPUs
+#   accelerate  examples/train_accelerate.py on 1 GPU, fp32, graphs against eager, per-tensor report
+# Runs and logs go to WORKDIR; REPORTDIR (default WORKDIR) gets report.md and scaling.jsonl only, written as
+# each section ends. BUDGET_S (default 540) bounds the whole script: a run that would pass it is skipped.
 # Leaves NCCL_NVLS_ENABLE and the other machine settings as they are.
 set -uo pipefail
-out=${1:-/tmp/mgpu}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-python3 -c 'import torch; print("GPUs", torch.cuda.device_count(), torch.__version__)'
+work=${1:-/tmp/mgpu}; rep=${2:-$work}; shift 2 2>/dev/null || shift $#
+sections=${*:-small models engine scaling accelerate}
+mkdir -p "$work" "$rep"
+deadline=$(( $(date +%s) + ${BUDGET_S:-540} ))
+left() { echo $(( deadline - $(date +%s) )); }
+export PYTHONUNBUFFERED=1
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
+report=$rep/report.md
+python3 -c 'import torch; print("GPUs", torch.cuda.device_count(), torch.cuda.get_device_name(), torch.__version__)' \
+  | tee -a "$report"
 P=tests/scripts/train_parity.py
-run() { # name strategy args...
+run() { # name strategy args...: one train_parity.py run on 2 GPUs, bounded by the deadline
   local name=$1 strat=$2; shift 2
-  timeout 300 python3 $P --accelerator gpu --devices 2 --backend cuda --strategy "$strat" --out "$out/$name.$strat.pt" "$@" \
-    > "$out/$name.$strat.log" 2>&1 || { echo "FAILED $name $strat"; tail -5 "$out/$name.$strat.log"; }
+  local lim=$(( $(left) - 5 )); [ $lim -gt 240 ] && lim=240
+  if [ $lim -lt 30 ]; then echo "SKIPPED $name $strat (budget)" | tee -a "$report"; return; fi
+  local s=$(date +%s)
+  timeout $lim python3 $P --accelerator gpu --devices 2 --backend cuda --strategy "$strat" --out "$work/$name.$strat.pt" \
+    "$@" > "$work/$name.$strat.log" 2>&1 || { echo "FAILED $name $strat"; tail -5 "$work/$name.$strat.log"; } | tee -a "$report"
+  echo "  $name $strat: $(( $(date +%s) - s )) s"
 }
-TINY="--n-layer 12 --d-model 256 --n-head 4 --block-size 128 --batch-size 8"
+pairs() { echo; python3 scripts/parity_report.py "$work/pairs.md" "$@" | tee -a "$report"; }
 SMALL="--n-layer 12 --d-model 768 --n-head 12 --block-size 512 --batch-size 8"
-pairs=()
-for size in tiny small; do
-  [ $size = tiny ] && M=$TINY || M=$SMALL
-  for prec in 32-true bf16-mixed; do
-    run "${size}_${prec}" ddp $M --precision $prec --steps 50
-    run "${size}_${prec}" cudagraph_ddp $M --precision $prec --steps 50
-    pairs+=("${size}_${prec}=$out/${size}_${prec}.ddp.pt,$out/${size}_${prec}.cudagraph_ddp.pt")
-  done
-done
-T="--n-layer 4 --d-model 128 --n-head 4 --block-size 64 --batch-size 8 --tie-weights --no-bias --accumulate 4 --steps 12"
-run tied_accum4 ddp $T
-run tied_accum4 cudagraph_ddp $T --recompute-loss
-pairs+=("tied_accum4(cg:recompute-loss)=$out/tied_accum4.ddp.pt,$out/tied_accum4.cudagraph_ddp.pt")
-run seed_hidden ddp --model seed --steps 10 --warmup-steps 1
-run seed_hidden cudagraph_ddp --model seed --steps 10 --warmup-steps 1
-pairs+=("checkpoint_hidden_param=$out/seed_hidden.ddp.pt,$out/seed_hidden.cudagraph_ddp.pt")
-# Kernel noise or engine error? Lightning "ddp" against itself, and both strategies with deterministic kernels.
-M=$SMALL
-run small_32-true_repeat ddp $M --precision 32-true --steps 50
-pairs+=("small_32-true(ddp_vs_ddp)=$out/small_32-true.ddp.pt,$out/small_32-true_repeat.ddp.pt")
-run small_32-true_det ddp $M --precision 32-true --steps 50 --deterministic
-run small_32-true_det cudagraph_ddp $M --precision 32-true --steps 50 --deterministic
-pairs+=("small_32-true(deterministic)=$out/small_32-true_det.ddp.pt,$out/small_32-true_det.cudagraph_ddp.pt")
-python3 scripts/parity_report.py "$out/parity_2gpu.md" "${pairs[@]}"
-for sc in overlap stuck missing; do
-  mkdir -p "$out/engine_$sc"
-  start=$(date +%s)
-  timeout 120 python3 -m torch.distributed.run --nproc_per_node 2 tests/scripts/engine_dist.py --device cuda \
-    --scenario $sc --out "$out/engine_$sc" > "$out/engine_$sc.log" 2>&1
-  echo "engine scenario $sc: exit $? after $(( $(date +%s) - start )) s"
-  python3 - "$out/engine_$sc" <<'PY'
+for sec in $sections; do
+  echo "== $sec ($(left) s left)"
+  case $sec in
+  small)
+    run small_32_det ddp $SMALL --steps 20 --deterministic
+    run small_32_det cudagraph_ddp $SMALL --steps 20 --deterministic
+    run small_32 ddp $SMALL --steps 20
+    run small_32_repeat ddp $SMALL --steps 20
+    run small_bf16 ddp $SMALL --steps 20 --precision bf16-mixed
+    run small_bf16 cudagraph_ddp $SMALL --steps 20 --precision bf16-mixed
+    run small_32 cudagraph_ddp $SMALL --steps 20
+    pairs "small fp32, deterministic kernels=$work/small_32_det.ddp.pt,$work/small_32_det.cudagraph_ddp.pt" \
+      "small fp32, ddp vs ddp (same seed)=$work/small_32.ddp.pt,$work/small_32_repeat.ddp.pt" \
+      "small fp32=$work/small_32.ddp.pt,$work/small_32.cudagraph_ddp.pt" \
+      "small bf16-mixed=$work/small_bf16.ddp.pt,$work/small_bf16.cudagraph_ddp.pt" ;;
+  models)
+    T="--n-layer 4 --d-model 128 --n-head 4 --block-size 64 --batch-size 8 --tie-weights --no-bias --accumulate 4 --steps 12"
+    run tied_accum4 ddp $T
+    run tied_accum4 cudagraph_ddp $T --recompute-loss
+    run seed_hidden ddp --model seed --steps 10 --warmup-steps 1
+    run seed_hidden cudagraph_ddp --model seed --steps 10 --warmup-steps 1
+    pairs "tied+accumulate 4 (cg: loss recomputed)=$work/tied_accum4.ddp.pt,$work/tied_accum4.cudagraph_ddp.pt" \
+      "checkpoint-hidden parameter (seed model)=$work/seed_hidden.ddp.pt,$work/seed_hidden.cudagraph_ddp.pt" ;;
+  engine)
+    for sc in overlap stuck missing; do
+      [ "$(left)" -lt 60 ] && { echo "SKIPPED engine $sc (budget)" | tee -a "$report"; continue; }
+      mkdir -p "$work/engine_$sc"; s=$(date +%s)
+      timeout 90 python3 -m torch.distributed.run --nproc_per_node 2 tests/scripts/engine_dist.py --device cuda \
+        --scenario $sc --out "$work/engine_$sc" > "$work/engine_$sc.log" 2>&1
+      echo "engine scenario $sc: exit $? after $(( $(date +%s) - s )) s" | tee -a "$report"
+      python3 - "$work/engine_$sc" <<'PY' | tee -a "$report"
 import json, os, sys
 for r in (0, 1):
     p = os.path.join(sys.argv[1], f"rank{r}.json")
@@ -58,4 +78,28 @@ for r in (0, 1):
           f"{first_dispatch}, first layers.0 ready at {first_layer0}, stuck {d.get('stuck')}, "
           f"error after {d.get('error_after_s')} s: {(d.get('error') or '')[:160]!r}")
 PY
+    done ;;
+  scaling)
+    for size in ${SCALING_SIZES:-tiny small}; do
+      for strat in ddp cudagraph_ddp; do
+        for n in 1 2; do
+          [ "$(left)" -lt 60 ] && { echo "SKIPPED scaling $size $strat $n (budget)" | tee -a "$report"; continue; }
+          timeout 120 python3 benchmarks/scaling.py --size $size --strategy $strat --devices $n --steps 20 --repeats 3 \
+            --out "$rep/scaling.jsonl" > "$work/scaling_${size}_${strat}_$n.log" 2>&1 \
+            || { echo "FAILED scaling $size $strat $n"; tail -3 "$work/scaling_${size}_${strat}_$n.log"; } | tee -a "$report"
+        done
+      done
+    done
+    [ -f "$rep/scaling.jsonl" ] && python3 benchmarks/scaling.py --report "$rep/scaling.jsonl" | tee -a "$report" ;;
+  accelerate)
+    A="examples/train_accelerate.py --config configs/gpt_small.yaml --max-steps 20 --gradient-accumulation-steps 2"
+    for mode in eager graphs; do
+      [ "$(left)" -lt 45 ] && { echo "SKIPPED accelerate $mode (budget)" | tee -a "$report"; continue; }
+      flag=; [ $mode = eager ] && flag=--eager
+      CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 5 )) python3 $A --mixed-precision no $flag --log-every 10 \
+        --out "$work/acc_$mode.pt" > "$work/acc_$mode.log" 2>&1 || echo "FAILED accelerate $mode" | tee -a "$report"
+    done
+    python3 scripts/accelerate_report.py "$work/acc.md" "$work/acc_eager.pt" "$work/acc_graphs.pt" | tee -a "$report" ;;
+  esac
 done
+echo "done, $(left) s of the budget left"

@@ -120,6 +120,21 @@ def max_rel_diff(a, b) -> float:
     return float(((a - b).abs() / b.abs().clamp_min(1e-12)).max())
 
 
+def state_rel_diffs(sa: Dict[str, torch.Tensor], sb: Dict[str, torch.Tensor], drop_key_bias: bool = False) -> Dict[str, float]:
+    """||a-b|| / ||b|| per tensor. ``drop_key_bias``: of a fused ``*.qkv.bias`` (3d entries) compare only the q and v
+    thirds; the key bias's true gradient is 0 (softmax ignores a shift shared by all keys), so AdamW turns
+    rounding noise there into full-size steps of either sign, and two exact engines may still differ there."""
+    assert sa.keys() == sb.keys()
+    out = {}
+    for k in sa:
+        a, b = sa[k].detach().cpu().double(), sb[k].detach().cpu().double()
+        if drop_key_bias and k.endswith("qkv.bias"):
+            d = b.numel() // 3
+            a, b = torch.cat([a[:d], a[2 * d:]]), torch.cat([b[:d], b[2 * d:]])
+        out[k] = float((a - b).norm() / b.norm().clamp_min(1e-12))
+    return out
+
+
 def state_rel_diff(sa: Dict[str, torch.Tensor], sb: Dict[str, torch.Tensor]) -> float:
     """max over tensors of ||a-b|| / ||b||."""
     assert sa.keys() == sb.keys()

@@ -225,7 +225,14 @@ def main(argv=None) -> None:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[rec, counts, bufs, norms], deterministic=a.deterministic or None,
     )
-    trainer.fit(model, datamodule=data)
+    if a.deterministic:
+        # The fused attention kernels' backward passes accumulate with atomics; the math path does not.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            trainer.fit(model, datamodule=data)
+    else:
+        trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
         stats = None
         strat = trainer.strategy
