@@ -50,6 +50,10 @@ def _fit(strategy_name: str, steps: int = 8, model_cls=GPTLightningModule, model
     return model, rec, trainer, data
 
 
+# (accelerator, graph backend): the eager backend on CPU everywhere, real CUDA graphs on the GPU machine
+DEVICES = [pytest.param("cpu", "eager", id="cpu"), pytest.param("gpu", "cuda", marks=pytest.mark.cuda, id="cuda")]
+
+
 def _print_diffs(rec, ref, model, ref_model) -> None:
     """Print the measured differences (``pytest -s``) under the calling test's name."""
     print(f"{sys._getframe(1).f_code.co_name}: max rel loss diff {max_rel_diff(rec.losses, ref.losses):.1e}, "
@@ -115,6 +119,22 @@ class _CachedAutocast(MixedPrecision):
         return torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=True)
 
 
+@pytest.mark.cuda
+def test_cached_autocast_plugin_with_real_graphs():
+    """The cache-on bf16 autocast plugin on a GPU with real CUDA graphs: a cast cached during capture would
+    replay stale bf16 weights after the first optimizer step, so parity with "ddp" (same plugin, 1e-2) over
+    steps that update the weights is what shows the capture ran with the cache off."""
+    steps = 8
+    ref_model, ref, _, _ = _fit("ddp", steps, accelerator="gpu", plugins=[_CachedAutocast("bf16-mixed", "cuda")])
+    model, rec, trainer, _ = _fit("cg", steps, accelerator="gpu", backend="cuda",
+                                  plugins=[_CachedAutocast("bf16-mixed", "cuda")])
+    _assert_replayed(trainer, steps)
+    assert _stats(trainer).backend == "cuda"
+    _print_diffs(rec, ref, model, ref_model)
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-2
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-2
+
+
 def test_bf16_mixed_parity():
     """precision="bf16-mixed" (CPU autocast, bf16): losses and weights equal "ddp" within 1e-2 (measured: 0),
     and the graphed blocks' replays really run under bf16 autocast."""
@@ -160,14 +180,17 @@ class _GradDtypes(Callback):
         self.seen |= {(p.dtype, p.main_grad.dtype, p.grad.dtype) for p in pl_module.parameters()}
 
 
-def test_bf16_true_parity():
+@pytest.mark.parametrize("accelerator,backend", DEVICES)
+def test_bf16_true_parity(accelerator, backend):
     """precision="bf16-true" (Lightning's HalfPrecision: bf16 weights, main_grad in bf16): equal to "ddp"
-    within 1e-2 (measured: 0)."""
+    within 1e-2 (measured on CPU: 0)."""
     steps = 6
     dtypes = _GradDtypes()
-    ref_model, ref, _, _ = _fit("ddp", steps, precision="bf16-true")
-    model, rec, trainer, _ = _fit("cg", steps, precision="bf16-true", callbacks=[dtypes])
+    ref_model, ref, _, _ = _fit("ddp", steps, precision="bf16-true", accelerator=accelerator)
+    model, rec, trainer, _ = _fit("cg", steps, precision="bf16-true", callbacks=[dtypes], accelerator=accelerator,
+                                  backend=backend)
     _assert_replayed(trainer, steps)
+    assert _stats(trainer).backend == backend
     assert dtypes.seen == {(torch.bfloat16, torch.bfloat16, torch.bfloat16)}  # weight, main_grad, grad
     _print_diffs(rec, ref, model, ref_model)
     assert max_rel_diff(rec.losses, ref.losses) < 1e-2
@@ -429,7 +452,8 @@ class _Lifecycle(Callback):
         self._after_val = False
 
 
-def test_validation_during_fit_and_sanity_check():
+@pytest.mark.parametrize("accelerator,backend", DEVICES)
+def test_validation_during_fit_and_sanity_check(accelerator, backend):
     """val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=2, 7 steps: training losses and weights
     equal "ddp" (1e-5), so do the validation losses; graphs are captured exactly once (one capture, one
     runner per block, replays only in training steps); every validation call, sanity check included, runs
@@ -438,10 +462,11 @@ def test_validation_during_fit_and_sanity_check():
     steps = 7
     kw = dict(val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=2)
     ref_life, life = _Lifecycle(), _Lifecycle()
-    ref_model, ref, _, _ = _fit("ddp", steps, callbacks=[ref_life], **kw)
-    model, rec, trainer, _ = _fit("cg", steps, callbacks=[life], **kw)
+    ref_model, ref, _, _ = _fit("ddp", steps, callbacks=[ref_life], accelerator=accelerator, **kw)
+    model, rec, trainer, _ = _fit("cg", steps, callbacks=[life], accelerator=accelerator, backend=backend, **kw)
 
     _assert_replayed(trainer, steps)
+    assert _stats(trainer).backend == backend
     assert life.captures == 1 and life.capture_seconds[WARMUP - 1] == 0 < life.capture_seconds[WARMUP]
     if hasattr(_stats(trainer), "captures"):  # capture events, where GraphStats counts them
         assert _stats(trainer).captures == 1
@@ -466,16 +491,18 @@ def test_validation_during_fit_and_sanity_check():
     assert len(after_val) >= 3 and any(c[0] > WARMUP for c in after_val), after_val  # replayed steps among them
 
 
-def test_validation_in_the_middle_of_gradient_accumulation():
+@pytest.mark.parametrize("accelerator,backend", DEVICES)
+def test_validation_in_the_middle_of_gradient_accumulation(accelerator, backend):
     """accumulate_grad_batches=2 with val_check_interval=3 (micro-batches): validation runs between the two
     micro-batches of a window; the partial gradient survives it (the next micro-batch starts with it, as
     under "ddp") and losses and weights equal "ddp" (1e-5)."""
     steps = 5
     kw = dict(val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=2, accumulate_grad_batches=2)
     ref_life, life = _Lifecycle(), _Lifecycle()
-    ref_model, ref, _, _ = _fit("ddp", steps, callbacks=[ref_life], **kw)
-    model, rec, trainer, _ = _fit("cg", steps, callbacks=[life], **kw)
+    ref_model, ref, _, _ = _fit("ddp", steps, callbacks=[ref_life], accelerator=accelerator, **kw)
+    model, rec, trainer, _ = _fit("cg", steps, callbacks=[life], accelerator=accelerator, backend=backend, **kw)
     _assert_replayed(trainer, steps, micro_batches_per_step=2)
+    assert _stats(trainer).backend == backend
     assert life.captures == 1
     assert len(rec.losses) == len(ref.losses) == 2 * steps
     assert [r[:2] for r in life.val_runs] == [r[:2] for r in ref_life.val_runs] and len(life.val_runs) == 4
