@@ -193,7 +193,7 @@ def write_png(doc: Dict[str, Any], path: str) -> Optional[str]:
             [m - r["ms_per_step_min"] for m, r in zip(med, rows)],
             [r["ms_per_step_max"] - m for m, r in zip(med, rows)],
         ]
-        colors = ["tab:red" if n == "cudagraph_ddp" else "tab:gray" if n == LIMIT else "tab:blue" for n in names]
+        colors = ["tab:red" if n.startswith("cudagraph_ddp") else "tab:gray" if n == LIMIT else "tab:blue" for n in names]
         bars = ax.bar(range(len(rows)), med, yerr=err, capsize=3, color=colors)
         for bar, r in zip(bars, rows):
             ratio = r.get(f"ratio_to_{BASELINE}")

@@ -13,7 +13,8 @@ Peers (same GPT, random-token data, bf16 autocast over fp32 weights, AdamW(fused
 * ``torch_ddp_graphed``: the same with ``torch.cuda.make_graphed_callables`` on every block.
 * ``compile_reduce_overhead``: ``torch.compile(model, mode="reduce-overhead")``, plain loop.
 * ``whole_step_graph``: forward, backward and optimizer step in one CUDA graph (the limit).
-* ``cudagraph_ddp``: Lightning with this project's strategy.
+* ``cudagraph_ddp``: Lightning with this project's strategy; ``cudagraph_ddp_opt``: the same with the optimizer step
+  replayed from a graph (``graphs.capture_optimizer=True``).
 
 Each peer runs ``--warmup`` steps, then ``--repeats`` windows of ``--steps`` steps; the device is synchronized at
 window boundaries only. Reported per size and peer: median ms/step, min/max over the windows, ratios to

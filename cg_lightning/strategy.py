@@ -8,7 +8,8 @@ Lightning's launchers, samplers, accumulation and checkpointing paths stay as th
 * ``training_step`` tells the manager a micro-batch starts (call indices, capture schedule);
 * ``block_backward_sync`` (gradient accumulation) uses the engine's ``no_sync``;
 * ``post_backward`` finishes the gradient sync and points ``param.grad`` at ``main_grad``, before
-  ``on_before_optimizer_step`` and gradient clipping; ``optimizer_step`` zeroes the buffers afterwards.
+  ``on_before_optimizer_step`` and gradient clipping; ``optimizer_step`` zeroes the buffers afterwards and,
+  with ``graphs.capture_optimizer``, replays the optimizer step from a graph.
 
 Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPUs.
 """
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Generator, Optional, Union
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
@@ -27,6 +29,8 @@ from torch.optim import Optimizer
 
 from .ddp import DataParallelEngine, DDPOptions
 from .graphs import GraphManager, GraphOptions
+from .graphs.optimizer_step import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
+from .graphs.optimizer_step import OptimizerStepGraph, optimizer_refusal, step_replaced
 from .options import as_options
 
 
@@ -78,6 +82,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         self.engine: Optional[DataParallelEngine] = None
         self.graph_manager: Optional[GraphManager] = None
         self.last_graph_stats = None  # GraphStats of the last fit, kept after teardown
+        self._optimizer_graphs: Dict[int, OptimizerStepGraph] = {}  # id(optimizer) -> its step graph
+        self.last_optimizer_replays = 0  # optimizer steps replayed from a graph in the last fit
 
     # ----------------------------------------------------------------- setup
     def setup_distributed(self) -> None:
@@ -165,13 +171,58 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         model: Optional[Module] = None,
         **kwargs: Any,
     ) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        """Lightning's step (closure: forward, backward, clipping; then ``optimizer.step``), then the engine's
+        ``zero_grad_buffer``. With ``graphs.capture_optimizer`` the ``optimizer.step`` part is, once the layers
+        replay from graphs, first run eagerly with the groups prepared for capture, then captured, then
+        replayed (:class:`~cg_lightning.graphs.optimizer_step.OptimizerStepGraph`)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        graph = self._optimizer_graph(optimizer)
+        if graph is not None and graph.phase in OPTIMIZER_GRAPH_ACTIVE:
+            with step_replaced(optimizer, graph.step):
+                out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engine is not None:
             self.engine.zero_grad_buffer()
         return out
 
+    def _optimizer_graph(self, optimizer: Optimizer) -> Optional[OptimizerStepGraph]:
+        """The optimizer's step graph once the layers replay and ``graphs.capture_optimizer`` is on; its groups
+        are prepared here, before the one eager step that precedes capture."""
+        manager = self.graph_manager
+        if manager is None or not self.graph_options.capture_optimizer:
+            return None
+        graph = self._optimizer_graphs.get(id(optimizer))
+        if graph is None:
+            if not manager.captured:
+                return None
+            graph = OptimizerStepGraph(optimizer, manager.backend)
+            self._optimizer_graphs[id(optimizer)] = graph
+            reason = optimizer_refusal(optimizer, manager.backend.name)
+            if reason is None and getattr(self.precision_plugin, "scaler", None) is not None:
+                reason = "the GradScaler of 16-mixed checks the gradients for inf/NaN on the host before each step"
+            if reason is not None:
+                graph.give_up(reason)
+            else:
+                graph.prepare()
+        return graph
+
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        """The optimizer's state dict, with a captured step's ``lr`` tensors and ``capturable`` flag shown as
+        the user set them, so the checkpoint loads under any strategy."""
+        state = super().optimizer_state(optimizer)
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        graph = self._optimizer_graphs.get(id(raw))
+        return graph.state_dict_view(state) if graph is not None else state
+
     # ----------------------------------------------------------------- teardown
     def teardown(self) -> None:
+        for graph in self._optimizer_graphs.values():
+            if graph.phase in OPTIMIZER_GRAPH_ACTIVE:
+                graph.restore()
+            self.last_optimizer_replays += graph.replays
+        self._optimizer_graphs = {}
         if self.graph_manager is not None:
             self.last_graph_stats = self.graph_manager.stats
             self.graph_manager.remove()

@@ -38,6 +38,7 @@ def all_peers() -> Dict[str, Peer]:
         compile_reduce_overhead.PEER,
         whole_step_graph.PEER,
         cudagraph_ddp.PEER,
+        cudagraph_ddp.PEER_OPT,
     ]
     return {p.name: p for p in peers}
 
@@ -49,4 +50,5 @@ PEER_NAMES = (
     "compile_reduce_overhead",
     "whole_step_graph",
     "cudagraph_ddp",
+    "cudagraph_ddp_opt",
 )

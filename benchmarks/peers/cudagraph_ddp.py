@@ -1,4 +1,6 @@
-"""Peer ``cudagraph_ddp``: Lightning with ``cg_lightning.CUDAGraphDDPStrategy`` (per-layer graphs on the blocks)."""
+"""Peers ``cudagraph_ddp`` and ``cudagraph_ddp_opt``: Lightning with ``cg_lightning.CUDAGraphDDPStrategy``
+(per-layer graphs on the blocks); ``_opt`` also replays the optimizer step from a graph
+(``graphs.capture_optimizer=True``)."""
 
 from __future__ import annotations
 
@@ -8,17 +10,20 @@ from benchmarks.common import PeerResult, RunSettings, loss_value
 from benchmarks.peers import Peer
 
 
-def run(s: RunSettings) -> PeerResult:
+def run(s: RunSettings, capture_optimizer: bool = False) -> PeerResult:
     import cg_lightning
     from benchmarks.peers._lightning import fit_timed
 
     from benchmarks.common import PROCESS_GROUP_TIMEOUT
 
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": s.cg_warmup_steps},
-                                                 timeout=PROCESS_GROUP_TIMEOUT)
+    strategy = cg_lightning.CUDAGraphDDPStrategy(
+        graphs={"warmup_steps": s.cg_warmup_steps, "capture_optimizer": capture_optimizer},
+        timeout=PROCESS_GROUP_TIMEOUT,
+    )
     timing, trainer = fit_timed(s, strategy)
     stats = getattr(trainer.strategy, "last_graph_stats", None)
-    extra = {"graph_warmup_steps": s.cg_warmup_steps}
+    extra = {"graph_warmup_steps": s.cg_warmup_steps,
+             "optimizer_replays": getattr(trainer.strategy, "last_optimizer_replays", 0)}
     notes = []
     capture_s = None
     if stats is not None:
@@ -26,6 +31,8 @@ def run(s: RunSettings) -> PeerResult:
         capture_s = float(stats.capture_seconds)
         if s.is_cuda and stats.backend != "cuda":
             notes.append(f"graph backend {stats.backend!r} on a GPU")
+        if capture_optimizer and s.is_cuda and not extra["optimizer_replays"]:
+            notes.append("the optimizer step was never replayed from a graph")
         if getattr(stats, "fallback_calls", 0):
             notes.append(f"{stats.fallback_calls} layer calls fell back to eager")
     else:
@@ -45,3 +52,12 @@ def run(s: RunSettings) -> PeerResult:
 PEER = Peer("cudagraph_ddp", run, needs_cuda=False,
             description='Lightning Trainer(strategy=cg_lightning.CUDAGraphDDPStrategy(), devices=1, '
                         'precision="bf16-mixed"): per-layer CUDA graphs on the blocks (eager graph backend on CPU)')
+
+
+def run_with_optimizer(s: RunSettings) -> PeerResult:
+    return run(s, capture_optimizer=True)
+
+
+PEER_OPT = Peer("cudagraph_ddp_opt", run_with_optimizer, needs_cuda=False,
+                description="as cudagraph_ddp, plus graphs.capture_optimizer=True: the AdamW step replayed from a "
+                            "graph (learning rate as a device tensor)")

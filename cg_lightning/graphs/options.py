@@ -37,6 +37,12 @@ class GraphOptions:
         on_capture_error: a layer whose capture raises ``GraphCaptureError``: ``"raise"`` stops training
             (the message names the layer), ``"eager"`` runs that layer eagerly from then on (one warning
             naming the layer and the cause) and captures the other layers without it.
+        capture_optimizer: also capture ``optimizer.step()`` (Lightning strategy): once the layers replay,
+            one eager step with the learning rate as a device tensor (and ``capturable=True`` on CUDA), then
+            the step is captured and replayed every step. Needs an optimizer with a ``capturable`` option
+            (Adam, AdamW, SGD, ...); LR schedulers keep working (they write into the tensor). Refused, with
+            one warning and eager steps, under 16-mixed's GradScaler, for optimizers with step hooks, and
+            from the first step whose gradients or non-``lr`` hyperparameters differ from the captured ones.
 
     Raises:
         ValueError: on an unknown backend or shape policy or a count below 1.
@@ -50,6 +56,7 @@ class GraphOptions:
     shape_policy: str = "eager"
     max_graph_sets: int = 4
     on_capture_error: str = "raise"
+    capture_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
