@@ -11,52 +11,74 @@ import torch.distributed as dist
 class Bucket:
     """Parameters whose ``main_grad`` views share one contiguous slice ``data`` (1-D).
 
-    ``counts`` holds this iteration's grad-ready count per parameter; ``golden`` the counts of the first
-    iteration. Once ``golden`` is known, the bucket is ready when ``counts == golden``.
+    Grad-ready counts live in plain lists indexed by a parameter's *slot* (its position in ``params``),
+    so the hook of every gradient does one list update and no hashing (``Tensor.__hash__`` is a Python
+    call). ``counts``, ``golden`` and ``last_counts`` give the same numbers by parameter, built on access.
+    Once the golden counts (those of the first iteration) are known, the bucket is ready when every
+    parameter's count equals its golden count.
     """
 
     def __init__(self, index: int, params: List[torch.nn.Parameter], data: torch.Tensor) -> None:
         self.index = index
         self.params = params
         self.data = data
-        self.counts: Dict[torch.nn.Parameter, int] = {p: 0 for p in params}
-        self.golden: Optional[Dict[torch.nn.Parameter, int]] = None
-        self.last_counts: Dict[torch.nn.Parameter, int] = dict(self.counts)
+        self.slot_of: Dict[torch.nn.Parameter, int] = {p: i for i, p in enumerate(params)}  # setup-time lookups
+        self.slot_counts: List[int] = [0] * len(params)
+        self.slot_golden: Optional[List[int]] = None
+        self.slot_last: List[int] = [0] * len(params)
         self.pending = len(params)  # parameters whose count is still below golden
         self.overshoot = False  # some parameter reported more often than its golden count
         self.handle = None
         self.dispatched = False
 
-    def register_ready(self, param: torch.nn.Parameter) -> bool:
-        """Count one grad-ready occurrence; True when the bucket just became complete."""
-        count = self.counts[param] + 1
-        self.counts[param] = count
-        if self.golden is not None:
-            golden = self.golden[param]
-            if count == golden:
+    # by parameter (reports and tests; built on access)
+    @property
+    def counts(self) -> Dict[torch.nn.Parameter, int]:
+        """This iteration's grad-ready count per parameter."""
+        return dict(zip(self.params, self.slot_counts))
+
+    @property
+    def golden(self) -> Optional[Dict[torch.nn.Parameter, int]]:
+        """The first iteration's counts per parameter, ``None`` before they are known."""
+        return None if self.slot_golden is None else dict(zip(self.params, self.slot_golden))
+
+    @property
+    def last_counts(self) -> Dict[torch.nn.Parameter, int]:
+        """The counts of the last finished iteration, per parameter."""
+        return dict(zip(self.params, self.slot_last))
+
+    def register_ready(self, slot: int) -> bool:
+        """Count one grad-ready occurrence of ``params[slot]``; True when the bucket just became complete."""
+        counts = self.slot_counts
+        count = counts[slot] + 1
+        counts[slot] = count
+        golden = self.slot_golden
+        if golden is not None:
+            expected = golden[slot]
+            if count == expected:
                 self.pending -= 1
                 return self.pending == 0
-            if count > golden:
+            if count > expected:
                 self.overshoot = True
         return False
 
     @property
     def complete(self) -> bool:
         """Every parameter reached its golden count (never true before the golden counts are known)."""
-        return self.golden is not None and self.pending == 0
+        return self.slot_golden is not None and self.pending == 0
 
     def set_golden(self) -> None:
         """Take this iteration's counts as the golden counts (end of the first iteration)."""
-        self.golden = dict(self.counts)
+        self.slot_golden = list(self.slot_counts)
         self.pending = 0
 
     def missing(self) -> List[torch.nn.Parameter]:
         """Parameters whose count differs from the golden count (all zero-count ones before golden)."""
-        if self.golden is None:
-            return [p for p, c in self.counts.items() if c == 0]
+        if self.slot_golden is None:
+            return [p for p, c in zip(self.params, self.slot_counts) if c == 0]
         if self.pending == 0 and not self.overshoot:  # the usual case: no per-parameter scan
             return []
-        return [p for p, c in self.counts.items() if c != self.golden[p]]
+        return [p for p, c, g in zip(self.params, self.slot_counts, self.slot_golden) if c != g]
 
     def dispatch(self, group, world_size: int, average: bool) -> None:
         """Start the (asynchronous) all-reduce of ``data``; pre-divides by ``world_size`` when averaging."""
@@ -74,8 +96,8 @@ class Bucket:
 
     def reset(self) -> None:
         """Start a new iteration; this iteration's counts stay readable as ``last_counts``."""
-        self.last_counts = self.counts
-        self.counts = dict.fromkeys(self.params, 0)
+        self.slot_last = self.slot_counts
+        self.slot_counts = [0] * len(self.params)
         self.overshoot = False
         self.pending = len(self.params)
         self.dispatched = False

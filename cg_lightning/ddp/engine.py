@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -101,7 +101,8 @@ class DataParallelEngine(nn.Module):
             for p in self.params:
                 p.grad_added_to_main_grad = False
                 acc = p.view_as(p).grad_fn.next_functions[0][0]
-                self._hook_handles.append(acc.register_hook(self._make_hook(p)))
+                bucket = self.bucket_of[p]
+                self._hook_handles.append(acc.register_hook(self._make_hook(p, bucket, bucket.slot_of[p])))
                 self._grad_accs.append(acc)
         # Gradients reach main_grad on the training stream (graph replays, the optimizer) and on the
         # accumulator stream (the hooks of eagerly computed gradients). A bucket's all-reduce is issued
@@ -116,6 +117,8 @@ class DataParallelEngine(nn.Module):
             self._comm_stream = torch.cuda.Stream(device=device)
         self.sync_enabled = True
         self.golden_known = False
+        # called with the parameter at every grad-ready occurrence, before counting (tracing and tests)
+        self.ready_observer: Optional[Callable[[nn.Parameter], None]] = None
         self.iteration = 0
         self.dispatch_log: List[int] = []  # bucket indices in dispatch order, this iteration
         self.last_dispatch_order: List[int] = []
@@ -159,9 +162,15 @@ class DataParallelEngine(nn.Module):
                 dist.broadcast(b, src=src, group=self.group)
 
     # ----------------------------------------------------------------- hooks
-    def _make_hook(self, param: nn.Parameter):
-        def notify() -> None:
-            self.register_grad_ready(param)
+    def _make_hook(self, param: nn.Parameter, bucket: Bucket, slot: int):
+        engine = self
+
+        def notify() -> None:  # one grad-ready occurrence of ``param``; see register_grad_ready
+            observer = engine.ready_observer
+            if observer is not None:
+                observer(param)
+            if engine.sync_enabled and bucket.register_ready(slot):
+                engine._dispatch_ready_prefix()
 
         set_grad_ready_reporter(param, notify)
 
@@ -171,9 +180,12 @@ class DataParallelEngine(nn.Module):
                 return
             if param.grad_added_to_main_grad:
                 param.grad_added_to_main_grad = False
-            elif param.grad is not None:
-                param.main_grad.add_(param.grad)
-            param.grad = None
+                param.grad = None
+            else:
+                grad = param.grad
+                if grad is not None:  # None after a graph replay: the graph wrote main_grad itself
+                    param.main_grad.add_(grad)
+                    param.grad = None
             notify()
 
         return hook
@@ -184,12 +196,16 @@ class DataParallelEngine(nn.Module):
         Buckets are all-reduced strictly in index order (a complete bucket waits for the ones before it),
         so every rank issues the same sequence of collectives even when one rank misses a gradient: the
         mismatch is then reported by :meth:`finish_grad_sync` instead of pairing different buckets.
-        Under :meth:`no_sync` nothing is counted (gradients only accumulate in ``main_grad``).
+        Under :meth:`no_sync` nothing is counted (gradients only accumulate in ``main_grad``). The hooks
+        do the same through a per-parameter closure bound to the bucket and slot (no lookups per call).
         """
+        observer = self.ready_observer
+        if observer is not None:
+            observer(param)
         if not self.sync_enabled:
             return
         bucket = self.bucket_of[param]
-        if bucket.register_ready(param):
+        if bucket.register_ready(bucket.slot_of[param]):
             self._dispatch_ready_prefix()
 
     def _dispatch_ready_prefix(self) -> None:
@@ -259,8 +275,9 @@ class DataParallelEngine(nn.Module):
     def _describe(self, missing) -> List[str]:
         out = []
         for p, b in missing:
-            golden = "unknown (first iteration)" if b.golden is None else b.golden[p]
-            out.append(f"{self.names.get(p, '?')} (ready {b.counts[p]} times, expected {golden})")
+            slot = b.slot_of[p]
+            golden = "unknown (first iteration)" if b.slot_golden is None else b.slot_golden[slot]
+            out.append(f"{self.names.get(p, '?')} (ready {b.slot_counts[slot]} times, expected {golden})")
         return out
 
     def _agree(self, missing) -> None:
@@ -294,7 +311,7 @@ class DataParallelEngine(nn.Module):
     def _check_golden_across_ranks(self) -> None:
         if self._control_group is None:
             return
-        mine = [b.golden[p] for b in self.buckets for p in b.params]
+        mine = [g for b in self.buckets for g in b.slot_golden]
         reports: List[Optional[List[int]]] = [None] * self.world_size
         dist.all_gather_object(reports, mine, group=self._control_group)
         if any(r != mine for r in reports):
@@ -327,7 +344,7 @@ class DataParallelEngine(nn.Module):
         """Point ``param.grad`` at ``main_grad`` (a cast copy if dtypes differ) for optimizers and clipping."""
         for p in self.params:
             g = p.main_grad
-            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+            p.grad = g if g.dtype is p.dtype else g.to(p.dtype)
 
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` and drop ``param.grad`` (after the optimizer step)."""

@@ -124,6 +124,8 @@ class LayerGraphRunner:
         self.clone_slots: List[bool] = []
         self.output_requires_grad: List[bool] = []
         self._out_spec = None
+        self._leaf_spec_checked = None  # the spec _single_output was decided for
+        self._single_output = False
         self._autograd_outputs: Optional[list] = None
         self._fwd = None
         self._bwd = None
@@ -439,7 +441,14 @@ class LayerGraphRunner:
         return (*input_grads, *param_grads)
 
     def output_structure(self, flat: tuple):
-        return pytree.tree_unflatten(list(flat), self._out_spec)
+        spec = self._out_spec
+        if spec is not self._leaf_spec_checked:  # is the output one tensor? (decided once per spec)
+            self._leaf_spec_checked = spec
+            marker = object()
+            self._single_output = getattr(spec, "num_leaves", None) == 1 and pytree.tree_unflatten([marker], spec) is marker
+        if self._single_output:
+            return flat[0]
+        return pytree.tree_unflatten(list(flat), spec)
 
 
 def _saved_tensor_hooks_active() -> bool:

@@ -51,6 +51,8 @@ class CallSignature:
         leaves, self.spec = pytree.tree_flatten((args, kwargs))
         self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         self.metas = [TensorMeta.of(x) if t else x for x, t in zip(leaves, self.is_tensor)]
+        # The common call ``layer(x)`` / ``layer(x, mask)``: positional tensors only. Its checks skip pytree.
+        self.positional_tensors = not kwargs and all(isinstance(x, torch.Tensor) for x in args)
         self._names = None
         self._names_src = (args, kwargs)
 
@@ -62,11 +64,15 @@ class CallSignature:
         return self._names
 
     def tensor_leaves(self, args: tuple, kwargs: dict) -> List[torch.Tensor]:
+        if self.positional_tensors and not kwargs and len(args) == len(self.metas):
+            return list(args)
         leaves, _ = pytree.tree_flatten((args, kwargs))
         return [x for x, t in zip(leaves, self.is_tensor) if t]
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Tuple[tuple, dict]:
         """Arguments of this signature with the given tensors in the tensor slots."""
+        if self.positional_tensors:
+            return tuple(tensors), {}
         it = iter(tensors)
         leaves = [next(it) if t else m for m, t in zip(self.metas, self.is_tensor)]
         return pytree.tree_unflatten(leaves, self.spec)
@@ -87,6 +93,18 @@ class CallSignature:
         return out
 
     def matches(self, args: tuple, kwargs: dict) -> bool:
+        if self.positional_tensors:
+            if kwargs or len(args) != len(self.metas):
+                return False
+            for x, meta in zip(args, self.metas):
+                if not isinstance(x, torch.Tensor) or (
+                    x.shape != meta.shape
+                    or x.dtype != meta.dtype
+                    or x.device != meta.device
+                    or x.requires_grad != meta.requires_grad
+                ):
+                    return False
+            return True
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.spec:
             return False

@@ -61,13 +61,7 @@ def main() -> None:
     events = []
     result = {"rank": rank, "buckets": len(engine.buckets)}
 
-    original_ready = engine.register_grad_ready
-
-    def logged_ready(param):
-        events.append(["ready", engine.names[param]])
-        original_ready(param)
-
-    engine.register_grad_ready = logged_ready
+    engine.ready_observer = lambda param: events.append(["ready", engine.names[param]])
     original_dispatch = Bucket.dispatch
 
     def logged_dispatch(self, *args, **kwargs):
