@@ -84,6 +84,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         self.last_graph_stats = None  # GraphStats of the last fit, kept after teardown
         self._optimizer_graphs: Dict[int, OptimizerStepGraph] = {}  # id(optimizer) -> its step graph
         self.last_optimizer_replays = 0  # optimizer steps replayed from a graph in the last fit
+        self._grads_unconsumed = False  # a finished window's main_grad not yet zeroed by an optimizer step
 
     # ----------------------------------------------------------------- setup
     def setup_distributed(self) -> None:
@@ -118,6 +119,12 @@ class CUDAGraphDDPStrategy(DDPStrategy):
 
     # ----------------------------------------------------------------- training step
     def training_step(self, *args: Any, **kwargs: Any):
+        if self._grads_unconsumed and self.engine is not None:
+            # The last window's gradients never reached an optimizer step (a LightningModule.optimizer_step
+            # that ran the closure but skipped optimizer.step). Lightning's own zero_grad would clear
+            # param.grad before this backward; main_grad must start from zero the same way.
+            self.engine.zero_grad_buffer()
+        self._grads_unconsumed = False
         manager = self.graph_manager
         if manager is None:
             return super().training_step(*args, **kwargs)
@@ -163,6 +170,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             return
         engine.finish_grad_sync()
         engine.expose_grads()
+        self._grads_unconsumed = True
 
     def optimizer_step(
         self,
@@ -185,6 +193,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engine is not None:
             self.engine.zero_grad_buffer()
+        self._grads_unconsumed = False
         return out
 
     def _optimizer_graph(self, optimizer: Optimizer) -> Optional[OptimizerStepGraph]:
@@ -202,6 +211,11 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             reason = optimizer_refusal(optimizer, manager.backend.name)
             if reason is None and getattr(self.precision_plugin, "scaler", None) is not None:
                 reason = "the GradScaler of 16-mixed checks the gradients for inf/NaN on the host before each step"
+            if reason is None and self.engine is not None and any(
+                p.main_grad.dtype != p.dtype for p in self.engine.params
+            ):
+                reason = ("ddp.grad_dtype differs from the parameters' dtype, so the optimizer gets a new cast copy "
+                          "of main_grad every step; leave ddp.grad_dtype unset to capture the step")
             if reason is not None:
                 graph.give_up(reason)
             else:
@@ -209,8 +223,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         return graph
 
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        """The optimizer's state dict, with a captured step's ``lr`` tensors and ``capturable`` flag shown as
-        the user set them, so the checkpoint loads under any strategy."""
+        """The optimizer's state dict, with ``capturable`` as the user set it (a captured step sets it on every
+        group), so the checkpoint loads under any strategy."""
         state = super().optimizer_state(optimizer)
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         graph = self._optimizer_graphs.get(id(raw))
@@ -218,10 +232,10 @@ class CUDAGraphDDPStrategy(DDPStrategy):
 
     # ----------------------------------------------------------------- teardown
     def teardown(self) -> None:
+        self.last_optimizer_replays = sum(graph.replays for graph in self._optimizer_graphs.values())
         for graph in self._optimizer_graphs.values():
             if graph.phase in OPTIMIZER_GRAPH_ACTIVE:
                 graph.restore()
-            self.last_optimizer_replays += graph.replays
         self._optimizer_graphs = {}
         if self.graph_manager is not None:
             self.last_graph_stats = self.graph_manager.stats

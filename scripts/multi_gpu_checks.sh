@@ -6,7 +6,8 @@
 #               against itself (tells kernel noise from engine error), bf16-mixed pair, fp32 pair
 #   models      tied weights + accumulation (loss recomputed), checkpoint-hidden-parameter seed model
 #   engine      engine_dist.py scenarios overlap, stuck, missing (NCCL, engine timeout 10 s)
-#   scaling     benchmarks/scaling.py, sizes $SCALING_SIZES (default tiny small), ddp and cudagraph_ddp, 1 and 2 GPUs
+#   scaling     benchmarks/scaling.py, sizes $SCALING_SIZES (default tiny small), strategies $SCALING_STRATEGIES
+#               (default ddp cudagraph_ddp), 1 and 2 GPUs
 #   accelerate  examples/train_accelerate.py on 1 GPU, fp32, graphs against eager, per-tensor report
 # Runs and logs go to WORKDIR; REPORTDIR (default WORKDIR) gets report.md and scaling.jsonl only, written as
 # each section ends. BUDGET_S (default 540) bounds the whole script: a run that would pass it is skipped.
@@ -81,7 +82,7 @@ PY
     done ;;
   scaling)
     for size in ${SCALING_SIZES:-tiny small}; do
-      for strat in ddp cudagraph_ddp; do
+      for strat in ${SCALING_STRATEGIES:-ddp cudagraph_ddp}; do
         for n in 1 2; do
           [ "$(left)" -lt 60 ] && { echo "SKIPPED scaling $size $strat $n (budget)" | tee -a "$report"; continue; }
           timeout 120 python3 benchmarks/scaling.py --size $size --strategy $strat --devices $n --steps 20 --repeats 3 \

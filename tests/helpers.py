@@ -35,6 +35,9 @@ class GradRecorder(Callback):
             self.batches.append([t.detach().clone() for t in batch])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if outputs is None or "loss" not in outputs:  # a batch the LightningModule skipped (returned None)
+            self.losses.append(float("nan"))
+            return
         self.losses.append(float(outputs["loss"].detach()))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:

@@ -3,6 +3,8 @@
 these tests check the bookkeeping (learning-rate tensors under a scheduler, clipping order, the checks that
 give up, checkpoints); the ``cuda`` ones check real capture on the GPU machine."""
 
+import warnings
+
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
@@ -22,9 +24,10 @@ DATA = dict(block_size=16, batch_size=4, max_bytes=100_000)
 DEVICES = [pytest.param("cpu", "eager", id="cpu"), pytest.param("gpu", "cuda", marks=pytest.mark.cuda, id="cuda")]
 
 
-def _fit(name, steps, accelerator="cpu", backend="eager", callbacks=(), model_kwargs=None, **trainer_kwargs):
+def _fit(name, steps, accelerator="cpu", backend="eager", callbacks=(), model_kwargs=None,
+         model_cls=GPTLightningModule, **trainer_kwargs):
     seed_everything(7, workers=True)
-    model = GPTLightningModule(**{**MODEL, **(model_kwargs or {})})
+    model = model_cls(**{**MODEL, **(model_kwargs or {})})
     strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
         graphs={"warmup_steps": WARMUP, "backend": backend, "capture_optimizer": True})
     rec = GradRecorder()
@@ -43,15 +46,17 @@ class _LRs(Callback):
         self.lrs = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.lrs.append([float(g["lr"]) for g in optimizer.param_groups])
+        # user code sees Python floats (a held value must not change under it later)
+        assert all(isinstance(g["lr"], float) for g in optimizer.param_groups), optimizer.param_groups
+        self.lrs.append([g["lr"] for g in optimizer.param_groups])
 
 
 @pytest.mark.parametrize("accelerator,backend", DEVICES)
 def test_replayed_step_with_scheduler_and_clipping_equals_ddp(accelerator, backend):
     """LambdaLR warmup changing the learning rate every step, norm clipping, two param groups (decay / no
     decay), 12 steps: per-step losses, learning rates and final weights equal "ddp" (1e-5; measured on CPU:
-    identical); steps from FIRST_REPLAY on are replays; after fit the groups hold float learning rates and
-    the user's ``capturable`` again."""
+    identical); steps from FIRST_REPLAY on are replays; the learning rate user code sees is always a float;
+    after fit the groups hold the user's ``capturable`` again."""
     steps = 12
     ref_lrs, lrs = _LRs(), _LRs()
     ref_model, ref, _ = _fit("ddp", steps, accelerator, callbacks=[ref_lrs], gradient_clip_val=0.05)
@@ -185,3 +190,144 @@ def test_checkpoint_holds_the_users_optimizer_settings_and_resumes(tmp_path):
     assert resumed_strategy.last_optimizer_replays == EPOCH_BATCHES - FIRST_REPLAY
     assert max_rel_diff(resumed.losses, full.losses[EPOCH_BATCHES:]) < 1e-5
     assert max(state_rel_diffs(model.state_dict(), full_model.state_dict(), drop_key_bias=True).values()) < 1e-5
+
+
+class _SkipBatchGPT(GPTLightningModule):
+    """``training_step`` returns None at global step ``skip_at`` (Lightning skips that batch's backward)."""
+
+    skip_at = -1
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == type(self).skip_at:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("skip_at", [WARMUP + 2, 7])
+def test_skipped_batch_is_not_captured_and_not_replayed(skip_at, monkeypatch):
+    """A batch skipped (``training_step`` returns None: no gradients) exactly when the step would be captured
+    postpones the capture by one step (an empty step must not become the graph); one skipped after capture
+    turns the step eager with a warning (the graph would update from stale buffers). Losses equal "ddp"."""
+    steps = 10
+    monkeypatch.setattr(_SkipBatchGPT, "skip_at", skip_at)
+    ref_model, ref, _ = _fit("ddp", steps, model_cls=_SkipBatchGPT)
+    if skip_at == 7:
+        with pytest.warns(UserWarning, match="set to None by a skipped backward"):
+            model, rec, trainer = _fit("cg", steps, model_cls=_SkipBatchGPT)
+        assert trainer.strategy.last_optimizer_replays == skip_at - FIRST_REPLAY
+    else:
+        model, rec, trainer = _fit("cg", steps, model_cls=_SkipBatchGPT)
+        assert trainer.strategy.last_optimizer_replays == steps - FIRST_REPLAY - 1
+    skipped = [i for i, x in enumerate(rec.losses) if x != x]  # NaN: the batch recorded no loss
+    assert skipped == [i for i, x in enumerate(ref.losses) if x != x] == [skip_at]
+    kept = [i for i in range(steps) if i != skip_at]
+    assert max_rel_diff([rec.losses[i] for i in kept], [ref.losses[i] for i in kept]) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
+
+
+class _TwoStageGPT(GPTLightningModule):
+    """Starts with the matrices only; ``_AddGroup`` adds the other parameters as a second group."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.ndim >= 2], lr=3e-3)
+
+
+class _AddGroup(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.optimizers[0].add_param_group(
+                {"params": [p for p in pl_module.parameters() if p.ndim < 2], "weight_decay": 0.0})
+
+
+def test_param_group_added_before_capture_is_included(tmp_path):
+    """A group added between the prepared eager step and the capture is prepared too and captured with the
+    others: replays go on, losses equal "ddp", and a checkpoint written during replays holds both groups."""
+    steps = 10
+    ref_model, ref, _ = _fit("ddp", steps, model_cls=_TwoStageGPT, callbacks=[_AddGroup(WARMUP + 2)])
+    model, rec, trainer = _fit("cg", steps, model_cls=_TwoStageGPT, callbacks=[_AddGroup(WARMUP + 2)])
+    assert trainer.strategy.last_optimizer_replays == steps - FIRST_REPLAY - 1
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    path = tmp_path / "c.ckpt"
+    trainer.save_checkpoint(path)
+    groups = torch.load(path, weights_only=False)["optimizer_states"][0]["param_groups"]
+    assert [len(g["params"]) for g in groups] == [len(g["params"]) for g in trainer.optimizers[0].param_groups]
+    assert len(groups) == 2
+
+
+class _ForeachGPT(GPTLightningModule):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, foreach=True)
+
+
+def test_foreach_adamw_on_the_eager_backend():
+    """AdamW(foreach=True) on CPU (the graph backend there is "eager"): trains like "ddp"."""
+    steps = 8
+    ref_model, ref, _ = _fit("ddp", steps, model_cls=_ForeachGPT)
+    model, rec, trainer = _fit("cg", steps, model_cls=_ForeachGPT)
+    assert trainer.strategy.last_optimizer_replays == steps - FIRST_REPLAY
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+
+
+def test_grad_dtype_other_than_the_parameters_is_refused_with_a_reason():
+    """bf16-true with ``ddp.grad_dtype=float32``: the optimizer gets a fresh cast of main_grad every step, so
+    the step is not captured, and the warning names ddp.grad_dtype (not user code)."""
+    seed_everything(7)
+    strategy = cg_lightning.CUDAGraphDDPStrategy(
+        graphs={"warmup_steps": WARMUP, "backend": "eager", "capture_optimizer": True}, ddp={"grad_dtype": "float32"})
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true", max_steps=7,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0)
+    with pytest.warns(UserWarning, match="ddp.grad_dtype differs"):
+        trainer.fit(GPTLightningModule(**MODEL), datamodule=TextDataModule(**DATA))
+    assert strategy.last_optimizer_replays == 0
+
+
+def test_replay_count_is_per_fit():
+    """``last_optimizer_replays`` counts the last fit only (fit called twice on one Trainer)."""
+    seed_everything(7)
+    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": "eager",
+                                                         "capture_optimizer": True})
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0)
+    model, data = GPTLightningModule(**MODEL), TextDataModule(**DATA)
+    trainer.fit(model, datamodule=data)
+    assert strategy.last_optimizer_replays == 8 - FIRST_REPLAY
+    trainer.fit_loop.epoch_loop.max_steps = 16
+    trainer.fit(model, datamodule=data)
+    assert strategy.last_optimizer_replays == 8 - FIRST_REPLAY  # the second fit warms up and captures again
+
+
+class _SkipOddSteps(GPTLightningModule):
+    """A user ``optimizer_step`` that runs the closure but skips ``optimizer.step`` on odd batches."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        if batch_idx % 2 == 1:
+            optimizer_closure()
+            return
+        optimizer.step(closure=optimizer_closure)
+
+
+@pytest.mark.parametrize("capture_optimizer", [False, True])
+def test_user_optimizer_step_that_skips_the_update(capture_optimizer):
+    """The skipped batch's gradients are dropped before the next backward, as Lightning's zero_grad drops
+    them under "ddp" (they used to be added to the next step's main_grad): losses equal "ddp" (1e-5)."""
+    steps = 8
+    ref_model, ref, _ = _fit("ddp", steps, model_cls=_SkipOddSteps)
+    seed_everything(7, workers=True)
+    model = _SkipOddSteps(**MODEL)
+    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": "eager",
+                                                         "capture_optimizer": capture_optimizer})
+    rec = GradRecorder()
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skipped steps turn a captured step eager, with a warning
+        trainer.fit(model, datamodule=TextDataModule(**DATA))
+    assert len(rec.losses) == len(ref.losses)
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5

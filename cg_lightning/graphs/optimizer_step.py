@@ -3,25 +3,28 @@
 A fused or ``foreach`` AdamW over ~150 tensors costs the host about a millisecond per step in Python and
 launches (``_init_group``, grouping tensors by device and dtype, the kernel launches); on a launch-bound model
 that is a large share of the step. ``torch.optim`` supports capture for optimizers that take
-``capturable=True``: the step count and the learning rate live on the device, so one captured step is right
-for every later step (the PyTorch CUDA-graphs notes, "whole-network capture"; the learning rate as a tensor so
-that schedulers still work: ``torch.optim.lr_scheduler`` writes into a tensor ``lr`` with ``fill_``).
+``capturable=True``: the step count lives on the device, so one captured step is right for every later step
+(the PyTorch CUDA-graphs notes, "whole-network capture").
 
-What stays exact, and what this class checks before every replay (the step runs eagerly again, with one
-warning that names the cause, as soon as one of them fails):
+The learning rate: the captured step reads it from a 0-dim float32 device tensor per param group, which this
+class owns. ``group["lr"]`` stays the Python float that schedulers, callbacks (``LearningRateMonitor``) and
+checkpoints see; before every replay its current value is written into the tensor (``fill_``: one small
+kernel per group, no host sync). The tensor is in the group only while the step is being captured.
 
-* the gradients are the tensors the graph read at capture (``param.grad is`` the captured tensor, for every
-  parameter that had one);
-* every hyperparameter except ``lr`` still has its captured value (a ``betas`` or ``weight_decay`` that
-  changes would be ignored by the graph); ``lr`` itself may change: a float assigned to ``group["lr"]`` is
-  copied into the captured device tensor;
+What stays exact, and what is checked before every replay (the step runs eagerly again, with one warning
+that names the cause, as soon as one check fails):
+
+* every parameter's ``.grad`` is the tensor the graph read at capture, or ``None`` where it was ``None``
+  (gradients replaced, a skipped backward, a new parameter with a gradient);
+* the param groups are those captured, and every hyperparameter other than ``lr`` has its captured value (a
+  ``betas`` cycled by OneCycleLR, or a changed ``weight_decay``, would be ignored by the graph);
 * no step pre- or post-hooks are registered (the graph would skip them).
 
-State, all on this object (nothing is stored on the optimizer besides the two group keys it must change):
-``phase`` goes ``"off" -> "prepared" -> "warm" -> "captured"`` (or ``"eager"`` once refused or given up).
-``prepared``: the groups were converted (``lr`` tensors, ``capturable=True`` on CUDA); the next step runs
-eagerly in that form (``warm``: lazy state and the converted code path ran once outside capture); the step
-after it is captured and then replayed, and every later step replays.
+State, all on this object: ``phase`` goes ``"off" -> "prepared" -> "warm" -> "captured"`` (or ``"eager"``
+once refused or given up). ``prepared``: ``capturable=True`` was set on every group (CUDA); the next step runs
+eagerly in that form (``warm``: lazy state and the capturable code path ran once outside capture); the step
+after it is captured and then replayed, and every later step replays. A step without any gradient is not
+captured (the next one is).
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ import torch
 
 _STEP_KEYS_IGNORED = ("params", "lr")
 
+ACTIVE = ("prepared", "warm", "captured")
+
 
 def optimizer_refusal(optimizer: torch.optim.Optimizer, backend_name: str) -> Optional[str]:
     """Why ``optimizer``'s step cannot be captured by ``backend_name``, or ``None`` if it can.
 
-    Capturing needs an optimizer that takes ``capturable`` (Adam, AdamW, SGD with momentum in recent torch,
-    ...), no ``differentiable`` step, no step hooks, and (CUDA) every parameter on a CUDA device.
+    Capturing needs an optimizer with a ``capturable`` option (in torch 2.11-2.13: Adam, AdamW, NAdam, RAdam,
+    Adamax, RMSprop, ASGD, Adadelta; not SGD or Adagrad), no ``differentiable`` step, no step hooks, and
+    (CUDA) every parameter on a CUDA device.
     """
     name = type(optimizer).__name__
     if "capturable" not in optimizer.defaults:
@@ -87,24 +93,17 @@ class OptimizerStepGraph:
         self.reason: Optional[str] = None
         self._graph = None
         self._pool = None
-        self._lr: List[torch.Tensor] = []
-        self._saved: List[Dict[str, Any]] = []  # per group: the original "lr" and "capturable" values
+        self._capturable: List[Any] = []  # per group: the user's "capturable" value
+        self._lr: List[torch.Tensor] = []  # per group: the device tensor the captured step reads
         self._hyper: List[Dict[str, Any]] = []
-        self._grads: List[tuple] = []  # (param, grad tensor) read by the graph
+        self._grads: List[tuple] = []  # (param, .grad at capture or None), every parameter of every group
 
     # ------------------------------------------------------------------ life cycle
     def prepare(self) -> None:
-        """Convert the groups for capture: ``lr`` to 0-dim float32 tensors on the parameters' device and, on
-        CUDA, ``capturable=True`` with each parameter's ``step`` moved to the device."""
-        cuda = self.backend.name == "cuda"
-        for group in self.optimizer.param_groups:
-            device = group["params"][0].device if group["params"] else torch.device("cpu")
-            self._saved.append({"lr": group["lr"], "capturable": group.get("capturable", False)})
-            lr = group["lr"]
-            t = lr if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float32, device=device)
-            group["lr"] = t
-            self._lr.append(t)
-            if cuda:
+        """On CUDA: ``capturable=True`` on every group, each parameter's ``step`` moved to the device."""
+        self._capturable = [g.get("capturable", False) for g in self.optimizer.param_groups]
+        if self.backend.name == "cuda":
+            for group in self.optimizer.param_groups:
                 group["capturable"] = True
                 for p in group["params"]:
                     state = self.optimizer.state.get(p)
@@ -114,48 +113,52 @@ class OptimizerStepGraph:
         self.phase = "prepared"
 
     def restore(self) -> None:
-        """Undo :meth:`prepare`: ``lr`` back to a Python float (its current value) and ``capturable`` back
-        to the user's setting. ``step`` tensors stay where they are (every optimizer accepts them)."""
-        for group, saved, t in zip(self.optimizer.param_groups, self._saved, self._lr):
-            lr = group["lr"]
-            group["lr"] = float(lr) if isinstance(lr, torch.Tensor) and not isinstance(saved["lr"], torch.Tensor) else lr
-            group["capturable"] = saved["capturable"]
-        self._saved, self._lr = [], []
+        """Undo :meth:`prepare`: ``capturable`` back to the user's setting (``step`` tensors stay where they are;
+        every optimizer accepts them) and drop the graph."""
+        for group, flag in zip(self.optimizer.param_groups, self._capturable):
+            group["capturable"] = flag
+        self._capturable, self._lr = [], []
         self._graph = None
 
     def give_up(self, reason: str) -> None:
         """Run the step eagerly from now on; warn once with ``reason``."""
         self.reason = reason
-        if self.phase in ("prepared", "warm", "captured"):
+        if self.phase in ACTIVE:
             self.restore()
         self.phase = "eager"
         warnings.warn(f"cg_lightning: the optimizer step runs eagerly from now on: {reason}.", stacklevel=3)
 
     def state_dict_view(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        """``optimizer.state_dict()`` output with each group's ``lr`` and ``capturable`` as the user gave them
-        (a float, the original flag), so a checkpoint loads into an optimizer that is not captured."""
-        if not self._saved:
+        """``optimizer.state_dict()`` output with each group's ``capturable`` as the user set it (groups added
+        after :meth:`prepare` are left as they are)."""
+        if not self._capturable:
             return state
-        groups = []
-        for g, saved in zip(state["param_groups"], self._saved):
-            g = dict(g)
-            if isinstance(g.get("lr"), torch.Tensor) and not isinstance(saved["lr"], torch.Tensor):
-                g["lr"] = float(g["lr"])
-            g["capturable"] = saved["capturable"]
-            groups.append(g)
+        groups = [dict(g) for g in state["param_groups"]]
+        for g, flag in zip(groups, self._capturable):
+            g["capturable"] = flag
         return {**state, "param_groups": groups}
 
     # ------------------------------------------------------------------ per step
     def step(self, closure: Optional[Callable[[], Any]]) -> Any:
         """What ``optimizer.step(closure)`` does in this phase: run ``closure`` (forward, backward, clipping),
-        then capture and/or replay the step, or run it eagerly."""
+        then run the step eagerly, capture it, or replay it."""
         loss = closure() if closure is not None else None
-        if self.phase == "prepared":
-            type(self.optimizer).step(self.optimizer)
+        if self.phase == "prepared" or (self.phase == "warm" and self._groups_changed()):
+            if self._groups_changed():  # a group added since prepare: prepare it too
+                self.restore()
+                self.prepare()
+            with warnings.catch_warnings():
+                # torch warns once that a capturable optimizer stepping outside capture is slower: this is
+                # the one deliberate eager step before capture
+                warnings.filterwarnings("ignore", message=".*capturable=True.*")
+                type(self.optimizer).step(self.optimizer)
             self.phase = "warm"
             return loss
         if self.phase == "warm":
-            self._capture()
+            if any(p.grad is not None for g in self.optimizer.param_groups for p in g["params"]):
+                self._capture()
+            else:  # nothing to update (a skipped backward): capturing now would record an empty step
+                type(self.optimizer).step(self.optimizer)
             return loss
         if self.phase == "captured":
             reason = self._stale()
@@ -168,43 +171,58 @@ class OptimizerStepGraph:
         type(self.optimizer).step(self.optimizer)
         return loss
 
+    def _groups_changed(self) -> bool:
+        return len(self.optimizer.param_groups) != len(self._capturable)
+
     def _capture(self) -> None:
         opt = self.optimizer
-        self._sync_lr()
-        self._grads = [(p, p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        self._hyper = [_hyper(g) for g in opt.param_groups]
+        groups = opt.param_groups
+        cuda = self.backend.name == "cuda"
+        self._grads = [(p, p.grad) for g in groups for p in g["params"]]
+        self._hyper = [_hyper(g) for g in groups]
+        if cuda:
+            self._lr = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=g["params"][0].device)
+                        if g["params"] else torch.tensor(float(g["lr"])) for g in groups]
         self._pool = self.backend.new_pool()
 
         def body():
-            type(opt).step(opt)
+            if not cuda:  # the eager backend re-runs this at every replay: the plain step, float lr
+                type(opt).step(opt)
+                return []
+            floats = [g["lr"] for g in groups]
+            for g, t in zip(groups, self._lr):
+                g["lr"] = t  # read by the captured kernels from the device
+            try:
+                type(opt).step(opt)
+            finally:
+                for g, lr in zip(groups, floats):
+                    g["lr"] = lr
             return []
 
         self._graph = self.backend.capture(body, self._pool)
-        if self.backend.name == "cuda":
-            self._graph.replay()  # a CUDA capture records the step without running it
         self.phase = "captured"
+        if cuda:
+            self._graph.replay()  # a CUDA capture records the step without running it
 
     def _sync_lr(self) -> None:
         for group, t in zip(self.optimizer.param_groups, self._lr):
-            lr = group["lr"]
-            if lr is not t:  # a float (or another tensor) assigned by user code or an old-style scheduler
-                t.fill_(float(lr))
-                group["lr"] = t
+            t.fill_(group["lr"])
 
     def _stale(self) -> Optional[str]:
         opt = self.optimizer
+        if len(opt.param_groups) != len(self._hyper):
+            return "param groups were added after the step was captured"
         for p, g in self._grads:
             if p.grad is not g:
-                return ("a parameter's .grad is no longer the tensor captured with the step (gradients replaced "
-                        "or set to None between steps); keep .grad in place or set graphs.capture_optimizer=false")
+                return ("a parameter's .grad is not the tensor captured with the step (gradients replaced, set "
+                        "to None by a skipped backward, or a parameter that had none now has one); keep .grad "
+                        "in place or set graphs.capture_optimizer=false")
         for i, (group, hyper) in enumerate(zip(opt.param_groups, self._hyper)):
             now = _hyper(group)
             if now != hyper:
                 keys = sorted(k for k in set(now) | set(hyper) if now.get(k) != hyper.get(k))
                 return (f"hyperparameter(s) {keys} of param group {i} changed after the step was captured (only 'lr' "
                         "may change; a scheduler that also cycles momentum needs graphs.capture_optimizer=false)")
-        if len(opt.param_groups) != len(self._hyper):
-            return "param groups were added after the step was captured"
         if _has_step_hooks(opt):
             return "optimizer step hooks were registered after the step was captured"
         return None
@@ -231,9 +249,6 @@ class _Same:
 
     def __repr__(self) -> str:
         return repr(self.value)
-
-
-ACTIVE = ("prepared", "warm", "captured")
 
 
 @contextmanager
