@@ -61,10 +61,30 @@ class _Profiles(Callback):
             self.torch_prof.__exit__(None, None, None)
 
 
+def _device_busy_us(events) -> float:
+    """Microseconds during which at least one kernel or copy ran on the device (intervals merged)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    ap.add_argument("--peer", default="cudagraph_ddp", choices=["cudagraph_ddp", "lightning_ddp"])
+    ap.add_argument("--peer", default="cudagraph_ddp", choices=["cudagraph_ddp", "cudagraph_ddp_opt", "lightning_ddp"])
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=35)
@@ -85,10 +105,11 @@ def main(argv=None) -> None:
 
     lit.Trainer = trainer_with_profiles
     try:
-        if a.peer == "cudagraph_ddp":
+        if a.peer.startswith("cudagraph_ddp"):
             import cg_lightning
 
-            lit.fit_timed(s, cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2}))
+            graphs = {"warmup_steps": 2, "capture_optimizer": a.peer == "cudagraph_ddp_opt"}
+            lit.fit_timed(s, cg_lightning.CUDAGraphDDPStrategy(graphs=graphs))
         else:
             lit.fit_timed(s, "ddp")
     finally:
@@ -97,12 +118,15 @@ def main(argv=None) -> None:
     wall_ms = 1000 * (prof.marks["dev_end"] - prof.marks["dev_start"]) / a.steps
     events = prof.torch_prof.key_averages()
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy_us = _device_busy_us(prof.torch_prof.events())
     buf = io.StringIO()
     name = torch.cuda.get_device_name().replace(" ", "_")
     print(f"# profile of {a.peer}, size {a.size} ({SIZES[a.size]}), {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}", file=buf)
     print(f"wall ms/step under cProfile: {host_ms:.2f}; under torch.profiler: {wall_ms:.2f}; "
-          f"CUDA kernel time per step: {kernel_us / 1000 / a.steps:.2f} ms", file=buf)
+          f"device busy per step (union of kernel and copy intervals, all streams): {busy_us / 1000 / a.steps:.2f} ms; "
+          f"summed kernel time per step: {kernel_us / 1000 / a.steps:.2f} ms (overlapping streams counted twice)",
+          file=buf)
     for key in ("tottime", "cumulative"):
         print(f"\n## host functions by {key} ({a.steps} steps)\n", file=buf)
         pstats.Stats(prof.cprof, stream=buf).sort_stats(key).print_stats(a.top)
