@@ -222,6 +222,11 @@ class CUDAGraphDDPStrategy(DDPStrategy):
                 graph.prepare()
         return graph
 
+    @property
+    def optimizer_replays(self) -> int:
+        """Optimizer steps replayed from a graph so far in this fit (``graphs.capture_optimizer``)."""
+        return sum(graph.replays for graph in self._optimizer_graphs.values())
+
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
         """The optimizer's state dict, with ``capturable`` as the user set it (a captured step sets it on every
         group), so the checkpoint loads under any strategy."""
@@ -232,7 +237,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
 
     # ----------------------------------------------------------------- teardown
     def teardown(self) -> None:
-        self.last_optimizer_replays = sum(graph.replays for graph in self._optimizer_graphs.values())
+        self.last_optimizer_replays = self.optimizer_replays
         for graph in self._optimizer_graphs.values():
             if graph.phase in OPTIMIZER_GRAPH_ACTIVE:
                 graph.restore()

@@ -32,7 +32,8 @@ def _fit(name, steps, accelerator="cpu", backend="eager", callbacks=(), model_kw
         graphs={"warmup_steps": WARMUP, "backend": backend, "capture_optimizer": True})
     rec = GradRecorder()
     trainer_kwargs.setdefault("enable_checkpointing", False)
-    trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=steps, logger=False,
+    trainer_kwargs.setdefault("logger", False)
+    trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=steps,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       limit_val_batches=0, callbacks=[rec, *callbacks], **trainer_kwargs)
     trainer.fit(model, datamodule=TextDataModule(**DATA))
@@ -331,3 +332,21 @@ def test_user_optimizer_step_that_skips_the_update(capture_optimizer):
     assert len(rec.losses) == len(ref.losses)
     assert max_rel_diff(rec.losses, ref.losses) < 1e-5
     assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
+
+
+def test_monitor_logs_optimizer_replays(tmp_path):
+    """``GraphMonitor`` logs ``graphs/optimizer_replays`` through the CSV logger when the step is captured."""
+    import csv
+    import glob
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from cg_lightning.callbacks import GraphMonitor
+
+    steps = 10
+    _, _, trainer = _fit("cg", steps, callbacks=[GraphMonitor(log_every_n_steps=2)], logger=CSVLogger(tmp_path),
+                         log_every_n_steps=2)
+    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)[0])))
+    logged = [float(r["graphs/optimizer_replays"]) for r in rows if r.get("graphs/optimizer_replays")]
+    assert logged and logged == sorted(logged) and logged[-1] >= steps - FIRST_REPLAY - 2, logged
+    assert trainer.strategy.last_optimizer_replays == steps - FIRST_REPLAY

@@ -32,7 +32,9 @@ class GraphMonitor(Callback):
     warming up and capturing, cumulative), ``graphs/step_time_ms`` (wall time per training step, host
     clock, since the last log), ``graphs/sets`` (graph sets, one per captured input signature) and
     ``graphs/pool_bytes`` (device memory allocated while capturing, i.e. ``torch.cuda.memory_allocated``
-    after minus before each capture, summed: the graphs' static buffers and pool; 0 on CPU).
+    after minus before each capture, summed: the graphs' static buffers and pool; 0 on CPU); with
+    ``graphs.capture_optimizer`` also ``graphs/optimizer_replays`` (optimizer steps replayed from a graph so
+    far in this fit).
 
     With ``prog_bar`` the progress bar shows ``graphs/captured`` and a ``graphs`` entry with the state:
     ``eager`` (before capture), ``captured N`` and ``, fallback`` when some calls run eagerly.
@@ -98,6 +100,9 @@ class GraphMonitor(Callback):
         pl_module.log("graphs/step_time_ms", 1000.0 * (now - self._t0) / batches, on_step=True)
         pl_module.log("graphs/sets", float(stats.graph_sets), on_step=True)
         pl_module.log("graphs/pool_bytes", float(stats.pool_bytes), on_step=True)
+        strategy = trainer.strategy
+        if getattr(getattr(strategy, "graph_options", None), "capture_optimizer", False):
+            pl_module.log("graphs/optimizer_replays", float(strategy.optimizer_replays), on_step=True)
         self._t0 = now
         self._last_batches = self._batches
         self._last_replays = stats.forward_replays
