@@ -1,4 +1,4 @@
-"""Step time of the example GPT under six training setups, side by side in one process.
+"""Step time of the example GPT under seven training setups, side by side in one process.
 
 On a GPU, from the repository root::
 

@@ -177,6 +177,15 @@ def test_prepare_wraps_in_engine_and_unwraps(fresh_accelerate_state):
     assert all(p.grad is None and not p.main_grad.any() for p in raw.parameters())
 
 
+def test_capture_optimizer_is_lightning_only_and_says_so(fresh_accelerate_state):
+    """graphs.capture_optimizer is accepted (one YAML serves both entry points) but does nothing under
+    Accelerate: a warning says so instead of silently ignoring it."""
+    from cg_lightning.accelerate import CUDAGraphAccelerator
+
+    with pytest.warns(UserWarning, match="capture_optimizer applies to the Lightning strategy only"):
+        CUDAGraphAccelerator(cpu=True, graphs={"enabled": False, "capture_optimizer": True})
+
+
 def test_loss_backward_instead_of_accelerator_backward_is_an_error(fresh_accelerate_state):
     from cg_lightning.accelerate import CUDAGraphAccelerator
 

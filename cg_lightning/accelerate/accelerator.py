@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -71,6 +72,12 @@ class CUDAGraphAccelerator(Accelerator):
     ) -> None:
         self.graph_options = as_options(GraphOptions, graphs, "graphs")
         self.ddp_options = as_options(DDPOptions, ddp, "ddp")
+        if self.graph_options.capture_optimizer:
+            warnings.warn(
+                "cg_lightning: graphs.capture_optimizer applies to the Lightning strategy only; under "
+                "CUDAGraphAccelerator the optimizer step runs eagerly (the layers are still graphed).",
+                stacklevel=2,
+            )
         super().__init__(*args, **kwargs)
         if self.ddp_handler is not None:
             raise ValueError(
