@@ -1,4 +1,4 @@
-"""Step time of the example GPT under seven training setups, side by side in one process.
+"""Step time of the example GPT under eight training setups, side by side in one process.
 
 On a GPU, from the repository root::
 
@@ -14,7 +14,8 @@ Peers (same GPT, random-token data, bf16 autocast over fp32 weights, AdamW(fused
 * ``compile_reduce_overhead``: ``torch.compile(model, mode="reduce-overhead")``, plain loop.
 * ``whole_step_graph``: forward, backward and optimizer step in one CUDA graph (the limit).
 * ``cudagraph_ddp``: Lightning with this project's strategy; ``cudagraph_ddp_opt``: the same with the optimizer step
-  replayed from a graph (``graphs.capture_optimizer=True``).
+  replayed from a graph (``graphs.capture_optimizer=True``); ``cudagraph_ddp_seg``: that plus the chained blocks
+  captured as one segment (``graphs.segments=True``).
 
 Each peer runs ``--warmup`` steps, then ``--repeats`` windows of ``--steps`` steps; the device is synchronized at
 window boundaries only. Reported per size and peer: median ms/step, min/max over the windows, ratios to

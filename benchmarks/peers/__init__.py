@@ -39,6 +39,7 @@ def all_peers() -> Dict[str, Peer]:
         whole_step_graph.PEER,
         cudagraph_ddp.PEER,
         cudagraph_ddp.PEER_OPT,
+        cudagraph_ddp.PEER_SEG,
     ]
     return {p.name: p for p in peers}
 
@@ -51,4 +52,5 @@ PEER_NAMES = (
     "whole_step_graph",
     "cudagraph_ddp",
     "cudagraph_ddp_opt",
+    "cudagraph_ddp_seg",
 )

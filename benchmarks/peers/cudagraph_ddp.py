@@ -1,6 +1,7 @@
-"""Peers ``cudagraph_ddp`` and ``cudagraph_ddp_opt``: Lightning with ``cg_lightning.CUDAGraphDDPStrategy``
-(per-layer graphs on the blocks); ``_opt`` also replays the optimizer step from a graph
-(``graphs.capture_optimizer=True``)."""
+"""Peers ``cudagraph_ddp``, ``cudagraph_ddp_opt`` and ``cudagraph_ddp_seg``: Lightning with
+``cg_lightning.CUDAGraphDDPStrategy`` (per-layer graphs on the blocks); ``_opt`` also replays the optimizer
+step from a graph (``graphs.capture_optimizer=True``); ``_seg`` does that and captures the chained blocks as
+one segment (``graphs.segments=True``: one graph launch per direction)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from benchmarks.common import PeerResult, RunSettings, loss_value
 from benchmarks.peers import Peer
 
 
-def run(s: RunSettings, capture_optimizer: bool = False) -> PeerResult:
+def run(s: RunSettings, capture_optimizer: bool = False, segments: bool = False) -> PeerResult:
     import cg_lightning
     from benchmarks.peers._lightning import fit_timed
 
     from benchmarks.common import PROCESS_GROUP_TIMEOUT
 
     strategy = cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"warmup_steps": s.cg_warmup_steps, "capture_optimizer": capture_optimizer},
+        graphs={"warmup_steps": s.cg_warmup_steps, "capture_optimizer": capture_optimizer, "segments": segments},
         timeout=PROCESS_GROUP_TIMEOUT,
     )
     timing, trainer = fit_timed(s, strategy)
@@ -61,3 +62,12 @@ def run_with_optimizer(s: RunSettings) -> PeerResult:
 PEER_OPT = Peer("cudagraph_ddp_opt", run_with_optimizer, needs_cuda=False,
                 description="as cudagraph_ddp, plus graphs.capture_optimizer=True: the AdamW step replayed from a "
                             "graph (learning rate as a device tensor)")
+
+
+def run_with_segments(s: RunSettings) -> PeerResult:
+    return run(s, capture_optimizer=True, segments=True)
+
+
+PEER_SEG = Peer("cudagraph_ddp_seg", run_with_segments, needs_cuda=False,
+                description="as cudagraph_ddp_opt, plus graphs.segments=True: the chained blocks captured as one "
+                            "forward and one backward graph")

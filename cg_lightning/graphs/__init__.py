@@ -8,6 +8,7 @@ from .checkpointing import CheckpointWithoutOutput, checkpoint
 from .manager import GraphManager, GraphStats
 from .options import GraphOptions
 from .runner import GraphCaptureError, LayerGraphRunner
+from .segments import SegmentError
 from .signature import GraphSignatureError
 from .state import is_graph_capturing, is_graph_warmup
 
@@ -20,6 +21,7 @@ __all__ = [
     "GraphSignatureError",
     "GraphStats",
     "LayerGraphRunner",
+    "SegmentError",
     "checkpoint",
     "is_graph_capturing",
     "is_graph_warmup",

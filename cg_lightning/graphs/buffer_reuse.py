@@ -98,10 +98,10 @@ def check_shared_inputs(runner, inputs: Sequence[torch.Tensor]) -> None:
     for j in runner.shared_inputs:
         if inputs[j].data_ptr() != runner.static_inputs[j].data_ptr():
             raise BufferReuseError(
-                f"graphed callable {runner.name!r} (memory-saving mode, reuse_graph_buffers=True) must be called "
-                f"with the previous callable's output as tensor input {j}: that output's graph memory is its "
-                "static input. Call the callables as a chain in capture order, or capture with "
-                "reuse_graph_buffers=False."
+                f"graphed {runner.name!r} (make_graphed_callables' reuse_graph_buffers=True, or inside a segment "
+                f"with graphs.segments=true) must be called with the previous graphed call's output as tensor "
+                f"input {j}, unchanged: that output's graph memory is its static input. Call the layers as the "
+                "chain they were captured as, or turn off reuse_graph_buffers / graphs.segments."
             )
 
 

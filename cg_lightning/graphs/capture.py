@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -13,6 +13,7 @@ from .buffer_reuse import (
     share_grad_outputs_with_next_grad_inputs,
     share_inputs_with_previous_outputs,
 )
+from .segments import members_capturing, segment_capture
 
 
 def capture_in_order(
@@ -21,29 +22,67 @@ def capture_in_order(
     layers: List[nn.Module],
     restore_grads: bool = True,
     reuse_buffers: bool = False,
+    segments: Optional[List[List[int]]] = None,
 ) -> None:
     """Warm up every runner, capture the forwards in order and the backwards in reverse order.
 
     That is the order in which they replay, so one shared memory pool is safe. ``main_grad``,
     ``param.grad`` (unless ``restore_grads`` is false), the layers' buffers and RNG states are restored
     afterwards, and autocast's weight-cast cache is off throughout. ``reuse_buffers``: the runners form a
-    chain and share static buffers (:mod:`cg_lightning.graphs.buffer_reuse`).
+    chain and share static buffers (:mod:`cg_lightning.graphs.buffer_reuse`). ``segments``: runs of runner
+    indices whose calls chain; each run of two or more shares buffers and is captured as one forward and
+    one backward graph (:mod:`cg_lightning.graphs.segments`).
     """
+    real = [getattr(r, "runner", r) for r in runners]  # set_capture wraps runners to know which one failed
+    groups = segments if segments is not None else [[i] for i in range(len(runners))]
     with _preserved_training_state(model, layers, restore_grads), _uncached_autocast():
         for runner in runners:
             with runner.backend.warmup_stream():
                 runner.warmup()
-        for i, runner in enumerate(runners):
+        for group in groups:
+            if len(group) > 1:
+                _capture_segment_forward([runners[i] for i in group], [real[i] for i in group])
+                continue
+            i = group[0]
             if reuse_buffers and i > 0:
-                share_inputs_with_previous_outputs(runners[i - 1], runner)
-            runner.capture_forward()
-        for i in reversed(range(len(runners))):
-            runner = runners[i]
-            if reuse_buffers and i + 1 < len(runners):
-                share_grad_outputs_with_next_grad_inputs(runner, runners[i + 1])
-            runner.capture_backward()
-            if reuse_buffers:
-                release_param_grad_outputs(runner)
+                share_inputs_with_previous_outputs(real[i - 1], real[i])
+            runners[i].capture_forward()
+        for group in reversed(groups):
+            members = [real[i] for i in group]
+            if len(group) > 1 and all(any(r.output_requires_grad) for r in members):
+                _capture_segment_backward([runners[i] for i in group], members)
+                continue
+            for i in reversed(group):
+                if reuse_buffers and i + 1 < len(runners):
+                    share_grad_outputs_with_next_grad_inputs(real[i], real[i + 1])
+                runners[i].capture_backward()
+                if reuse_buffers:
+                    release_param_grad_outputs(real[i])
+
+
+def _capture_segment_forward(wrapped: Sequence, members: Sequence) -> None:
+    """The members' forward bodies in one capture region, each member's input the previous one's output."""
+    with segment_capture(members[0].backend, members[0].pool) as seg, members_capturing(members, seg):
+        for j, (w, r) in enumerate(zip(wrapped, members)):
+            if j > 0:
+                share_inputs_with_previous_outputs(members[j - 1], r)
+            r.defer_static_grad_outputs = True
+            try:
+                w.capture_forward()
+            finally:
+                r.defer_static_grad_outputs = False
+    for r in members:
+        r.make_static_grad_outputs()
+
+
+def _capture_segment_backward(wrapped: Sequence, members: Sequence) -> None:
+    """The members' backward bodies, last member first, in one capture region; each member's gradient
+    output buffer is the next member's gradient-input buffer."""
+    with segment_capture(members[0].backend, members[0].pool) as seg, members_capturing(members, seg):
+        for j in reversed(range(len(members))):
+            if j + 1 < len(members):
+                share_grad_outputs_with_next_grad_inputs(members[j], members[j + 1])
+            wrapped[j].capture_backward()
 
 
 @contextlib.contextmanager

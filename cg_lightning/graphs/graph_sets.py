@@ -24,6 +24,8 @@ class CallRecord:
     signature: CallSignature
     args: tuple
     kwargs: dict
+    #: the call's output when it is one tensor (detached), kept until capture to find segments
+    output: Optional[object] = None
 
 
 @dataclass

@@ -36,6 +36,7 @@ from .options import GraphOptions
 from .replay import ReplayFunction
 from .runner import LayerGraphRunner
 from .selection import select_layers
+from .segments import find_segments
 from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError
 
@@ -189,14 +190,16 @@ class GraphManager:
         index = self._calls.get(key, 0)
         self._calls[key] = index + 1
         if self._mode == "record":
-            self._recording.calls.append(
-                CallRecord(layer, index, CallSignature(args, kwargs), _detach_tree(args), _detach_tree(kwargs))
-            )
+            record = CallRecord(layer, index, CallSignature(args, kwargs), _detach_tree(args), _detach_tree(kwargs))
+            self._recording.calls.append(record)
             if self._recording is self._warmup_record:
                 self.stats.eager_calls += 1
             else:
                 self.stats.fallback_calls += 1
-            return layer.forward(*args, **kwargs)
+            out = layer.forward(*args, **kwargs)
+            if self.options.segments and isinstance(out, torch.Tensor):
+                record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
+            return out
         if self._mode == "eager":
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
@@ -287,7 +290,10 @@ class GraphManager:
             self.pool = self.backend.new_pool()
         calls = [c for c in record.calls if c.layer.failure is None]
         calls, runners = capture_calls(calls, self._runner, self.model, self.options.on_capture_error,
-                                       self._mark_failed)
+                                       self._mark_failed,
+                                       segments_of=find_segments if self.options.segments else None)
+        for call in record.calls:
+            call.output = None
         self.stats.capture_seconds += time.perf_counter() - start
         self.stats.pool_bytes += max(0, self._allocated() - allocated)
         if not runners:

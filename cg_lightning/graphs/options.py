@@ -47,6 +47,11 @@ class GraphOptions:
             hyperparameters differ from the captured ones. The capturable step computes its bias
             corrections on the device in float32: equal to eager within 1e-5 over short runs, but long
             runs drift as with any change of kernels.
+        segments: capture consecutive graphed calls that feed each other (call k+1's only argument is call
+            k's output, as in ``for block in blocks: x = block(x)``) as one forward and one backward graph:
+            one graph launch per direction instead of one per layer, and no input copies between them.
+            Every replay checks that each call is handed exactly the chained tensor and gradient; an
+            intermediate output also used elsewhere raises ``SegmentError`` (then leave this off).
 
     Raises:
         ValueError: on an unknown backend or shape policy or a count below 1.
@@ -61,6 +66,7 @@ class GraphOptions:
     max_graph_sets: int = 4
     on_capture_error: str = "raise"
     capture_optimizer: bool = False
+    segments: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

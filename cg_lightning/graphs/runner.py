@@ -46,6 +46,7 @@ from typing import Callable, List, Optional, Sequence, Set
 import torch
 
 from .buffer_reuse import check_shared_inputs
+from .segments import check_segment_grad
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
 from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reachable_leaves
@@ -130,6 +131,8 @@ class LayerGraphRunner:
         self._fwd = None
         self._bwd = None
         self.static_grad_outputs: List[Optional[torch.Tensor]] = []
+        #: set while this runner is captured as a segment member (see :mod:`.segments`)
+        self.defer_static_grad_outputs = False
         self.replays = 0
         self._recording: Optional[list] = None
         self._anchors: List[torch.Tensor] = []
@@ -251,7 +254,16 @@ class LayerGraphRunner:
             self.clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False)
             for p in self.edge_params
         ]
-        self.static_grad_outputs = [torch.zeros_like(o) if g else None for o, g in zip(outs, self.output_requires_grad)]
+        if not self.defer_static_grad_outputs:
+            self.make_static_grad_outputs()
+
+    def make_static_grad_outputs(self) -> None:
+        """Allocate the buffers the backward graph reads its output gradients from. Outside any capture
+        region: inside one (a segment's forward) the allocation would be recorded as a memset on pool memory
+        that later captures may be handed."""
+        self.static_grad_outputs = [
+            torch.zeros_like(o) if g else None for o, g in zip(self._fwd.outputs, self.output_requires_grad)
+        ]
 
     def _refuse_foreign_leaves(self, outs) -> None:
         """A leaf that requires grad, is reachable from the outputs and is neither an input nor owned by the
@@ -418,14 +430,17 @@ class LayerGraphRunner:
         """Returns gradients for the input tensors, then for ``edge_params``."""
         if self._bwd is None:
             return (None,) * (self.num_inputs + len(self.edge_params))
-        with torch.no_grad():
-            for static, g in zip(self.static_grad_outputs, grad_outputs):
-                if static is None:
-                    continue
-                if g is None:
-                    static.zero_()
-                elif static.data_ptr() != g.data_ptr():
-                    static.copy_(g)
+        if not getattr(self._bwd, "launcher", True):  # a segment member whose backward already ran
+            check_segment_grad(self, grad_outputs)
+        else:
+            with torch.no_grad():
+                for static, g in zip(self.static_grad_outputs, grad_outputs):
+                    if static is None:
+                        continue
+                    if g is None:
+                        static.zero_()
+                    elif static.data_ptr() != g.data_ptr():
+                        static.copy_(g)
         self._bwd.replay()
         grads = self._bwd.outputs
         n_in = len(grads) - len(self.edge_params)

@@ -9,7 +9,7 @@ of it survives. With ``"raise"`` the error propagates, naming the layer.
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
@@ -24,14 +24,18 @@ def capture_calls(
     model: nn.Module,
     on_capture_error: str,
     on_failed: Callable[[object, GraphCaptureError], None],
+    segments_of: Optional[Callable[[List[CallRecord]], List[List[int]]]] = None,
 ) -> Tuple[List[CallRecord], List[LayerGraphRunner]]:
-    """Capture ``calls``; returns the calls captured and their runners (both empty if all failed)."""
+    """Capture ``calls``; returns the calls captured and their runners (both empty if all failed).
+    ``segments_of(calls)``: the runs of calls to capture as segments (recomputed after a failed layer is
+    dropped)."""
     calls = list(calls)
     while calls:
         runners = [make_runner(c) for c in calls]
         blamed: List[LayerGraphRunner] = []
         try:
-            capture_in_order([_Blame(r, blamed) for r in runners], model, [c.layer.module for c in calls])
+            capture_in_order([_Blame(r, blamed) for r in runners], model, [c.layer.module for c in calls],
+                             segments=segments_of(calls) if segments_of is not None else None)
             return calls, runners
         except GraphCaptureError as exc:
             if not blamed:
