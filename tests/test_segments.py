@@ -75,22 +75,29 @@ def test_gpt_blocks_form_one_segment_and_train_like_ddp(accelerator, backend):
 
 
 class _Chain(LightningModule):
-    """Four residual MLP blocks on random regression data. ``between``: an op between blocks 2 and 3 (breaks
-    the chain there); ``aux``: block 1's output also feeds an auxiliary loss (a second consumer)."""
+    """Four residual MLP blocks on random regression data. ``between``: an op between blocks 1 and 2 (breaks
+    the chain there); ``aux``: block 1's output also feeds an auxiliary loss (a second consumer);
+    ``inplace_at``: global steps at which block 1's output is changed in place before block 2 (``"all"``: every
+    step); ``grad_input_every``: every that many batches the first block's input requires grad (its call
+    then differs from the captured signature)."""
 
-    def __init__(self, between: bool = False, aux: bool = False) -> None:
+    def __init__(self, between: bool = False, aux: bool = False, inplace_at=(), grad_input_every: int = 0) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(4))
         self.head = nn.Linear(16, 1)
-        self.between, self.aux = between, aux
+        self.between, self.aux, self.inplace_at, self.grad_input_every = between, aux, inplace_at, grad_input_every
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.grad_input_every and batch_idx % self.grad_input_every == 0:
+            x = x.detach().requires_grad_()
         extra = 0.0
         for i, block in enumerate(self.blocks):
             x = block(x)
             if self.between and i == 1:
                 x = x * 0.5
+            if i == 1 and (self.inplace_at == "all" or self.global_step in self.inplace_at):
+                x.add_(0.5)
             if self.aux and i == 1:
                 extra = x.pow(2).mean()
         loss = F.mse_loss(self.head(x), y) + extra
@@ -171,3 +178,87 @@ def test_segments_with_recomputation_keep_gradients_and_counts(layer_cls_name, r
     assert launchers.count(True) == 1 and launchers.count(False) == 3 * repeat - 1, launchers
     _assert_grads_equal(got, ref)
     assert counts == layer_counts
+
+
+def test_in_place_change_between_blocks_breaks_the_chain():
+    """``x.add_(0.5)`` on block 1's output before block 2, in every step: seen at recording (version counter),
+    so blocks 0-1 and 2-3 form two segments; training equals "ddp" (it used to be silently wrong: the
+    segment computed block 2 from the unchanged output)."""
+    steps = 8
+    ref_model, ref, _, _ = _chain_fit("ddp", steps, inplace_at="all")
+    model, rec, _, roles = _chain_fit("cg", steps, inplace_at="all")
+    assert roles.roles == [(True, False), (False, True), (True, False), (False, True)], roles.roles
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
+
+
+def test_in_place_change_after_capture_is_an_error_naming_the_layer():
+    """The same change only at step 5 (after capture): the segment already computed block 2; the replay
+    raises ``SegmentError`` naming ``blocks.2`` instead of training on the stale value."""
+    with pytest.raises(SegmentError, match=r"'blocks\.2'.*changed in place"):
+        _chain_fit("cg", 8, inplace_at=(5,))
+
+
+def test_first_call_running_eagerly_takes_the_whole_segment_along():
+    """Every third batch the first block's input requires grad, so under ``shape_policy="eager"`` that call runs
+    eagerly; the rest of the segment follows it eagerly in that pass (a segment replays all or none of its
+    calls) and training equals "ddp"."""
+    steps = 9
+    ref_model, ref, _, _ = _chain_fit("ddp", steps, grad_input_every=3)
+    with pytest.warns(UserWarning, match="blocks.0"):
+        model, rec, trainer, roles = _chain_fit("cg", steps, grad_input_every=3)
+    stats = trainer.strategy.last_graph_stats
+    assert stats.fallback_calls == 4 * len([i for i in range(WARMUP + 1, steps) if i % 3 == 0]), vars(stats)
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
+
+
+def test_layer_failing_in_a_later_graph_set_drops_the_sets_segments():
+    """``shape_policy="recapture"`` and ``on_capture_error="eager"``: the full-batch set is one segment; the
+    set for the smaller last batch fails on block 2 (a host sync at that size only), which makes block 2
+    eager everywhere. The full-batch set, whose segment contains block 2, is dropped and captured again
+    without it; training equals "ddp" (it used to stop with an error)."""
+    from lightning.pytorch import LightningDataModule
+
+    class SyncOnSmallBatch(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            y = self.inner(x)
+            if x.shape[0] < 8:
+                y = y * (1.0 if y.detach().abs().max().item() >= 0 else 0.0)
+            return y
+
+    class DM(LightningDataModule):
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(3)
+            data = torch.utils.data.TensorDataset(torch.randn(36, 16, generator=g), torch.randn(36, 1, generator=g))
+            return torch.utils.data.DataLoader(data, batch_size=8, drop_last=False)
+
+    out = {}
+    for name in ("ddp", "cg"):
+        seed_everything(5, workers=True)
+        model = _Chain()
+        model.blocks[2] = SyncOnSmallBatch(model.blocks[2])
+        if name == "ddp":
+            strategy = "ddp"
+        else:
+            strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={
+                "warmup_steps": WARMUP, "backend": "eager", "segments": True, "shape_policy": "recapture",
+                "on_capture_error": "eager", "layers": ["blocks.*"]})
+        rec = GradRecorder()
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=15, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[rec])
+        if name == "cg":
+            with pytest.warns(UserWarning, match="blocks.2"):
+                trainer.fit(model, datamodule=DM())
+        else:
+            trainer.fit(model, datamodule=DM())
+        out[name] = (model, rec, trainer)
+    (ref_model, ref, _), (model, rec, trainer) = out["ddp"], out["cg"]
+    assert trainer.strategy.last_graph_stats.failed_layers == ["blocks.2"]
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5

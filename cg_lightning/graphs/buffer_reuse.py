@@ -45,6 +45,7 @@ def share_inputs_with_previous_outputs(prev, runner) -> List[int]:
             runner.static_inputs[j] = outs[j].detach().requires_grad_(static.requires_grad)
             shared.append(j)
     runner.shared_inputs = shared
+    runner.shared_from = prev
     return shared
 
 
@@ -94,15 +95,31 @@ def _non_owning_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_shared_inputs(runner, inputs: Sequence[torch.Tensor]) -> None:
-    """Raise :class:`BufferReuseError` if a shared static input was handed another tensor."""
+    """Raise if a shared static input was handed another tensor, or the right one changed in place since the
+    previous runner returned it (its version counter moved): :class:`~.segments.SegmentError` inside a
+    segment, :class:`BufferReuseError` in make_graphed_callables' memory-saving mode."""
+    prev = runner.shared_from
     for j in runner.shared_inputs:
-        if inputs[j].data_ptr() != runner.static_inputs[j].data_ptr():
-            raise BufferReuseError(
-                f"graphed {runner.name!r} (make_graphed_callables' reuse_graph_buffers=True, or inside a segment "
-                f"with graphs.segments=true) must be called with the previous graphed call's output as tensor "
-                f"input {j}, unchanged: that output's graph memory is its static input. Call the layers as the "
-                "chain they were captured as, or turn off reuse_graph_buffers / graphs.segments."
+        x = inputs[j]
+        if x.data_ptr() != runner.static_inputs[j].data_ptr():
+            problem = "was called with another tensor than the previous graphed call's output"
+        elif prev is not None and j < len(prev.returned_versions) and x._version != prev.returned_versions[j]:
+            problem = "was handed the previous graphed call's output after it was changed in place"
+        else:
+            continue
+        if getattr(runner._fwd, "segment", None) is not None:
+            from .segments import SegmentError
+
+            raise SegmentError(
+                f"graphed {runner.name!r} is inside a segment (graphs.segments=true) and {problem} (tensor input "
+                f"{j}); the segment's graph already computed it from the unchanged output. Keep the chain "
+                "x = layer(x) free of in-place changes, or set graphs.segments=false for this model."
             )
+        raise BufferReuseError(
+            f"graphed callable {runner.name!r} (make_graphed_callables' reuse_graph_buffers=True) {problem} "
+            f"(tensor input {j}): that output's graph memory is its static input. Call the callables as a chain "
+            "in capture order without in-place changes between them, or capture with reuse_graph_buffers=False."
+        )
 
 
 __all__ = [

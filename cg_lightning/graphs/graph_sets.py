@@ -24,8 +24,12 @@ class CallRecord:
     signature: CallSignature
     args: tuple
     kwargs: dict
-    #: the call's output when it is one tensor (detached), kept until capture to find segments
+    #: the call's output when it is one tensor (detached), kept until capture to find segments, and the
+    #: version counters of its first tensor argument before the call and of its output after it (an
+    #: in-place change between two calls breaks the chain)
     output: Optional[object] = None
+    input_version: Optional[int] = None
+    output_version: Optional[int] = None
 
 
 @dataclass
@@ -73,7 +77,12 @@ class GraphSetCache:
         return [r for s in self.sets for r in s.runners.values()]
 
     def forget_layer(self, layer) -> None:
-        """Drop a layer's runners and recorded calls (it runs eagerly from now on)."""
+        """Drop a layer's runners and recorded calls (it runs eagerly from now on). A graph set in which the
+        layer is a member of a segment is dropped whole: the segment's graphs include that layer's work."""
+        self.sets = [
+            s for s in self.sets
+            if not any(k[0] == id(layer) and getattr(r, "segment", None) is not None for k, r in s.runners.items())
+        ]
         for s in self.sets:
             for key in [k for k in s.runners if k[0] == id(layer)]:
                 del s.runners[key]

@@ -36,7 +36,7 @@ from .options import GraphOptions
 from .replay import ReplayFunction
 from .runner import LayerGraphRunner
 from .selection import select_layers
-from .segments import find_segments
+from .segments import SegmentError, find_segments
 from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError
 
@@ -196,15 +196,30 @@ class GraphManager:
                 self.stats.eager_calls += 1
             else:
                 self.stats.fallback_calls += 1
+            if self.options.segments and args and isinstance(args[0], torch.Tensor):
+                record.input_version = args[0]._version
             out = layer.forward(*args, **kwargs)
             if self.options.segments and isinstance(out, torch.Tensor):
                 record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
+                record.output_version = out._version
             return out
         if self._mode == "eager":
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
         runner = self._active.runners.get((key, index))
+        follows = runner is not None and runner.segment is not None and not runner.segment_launcher
+        if follows and not runner.segment.launched_for(runner):
+            # the segment's first call ran eagerly in this pass (its arguments differed): so does the rest
+            self.stats.fallback_calls += 1
+            return layer.forward(*args, **kwargs)
         if runner is None or not runner.signature.matches(args, kwargs):
+            if follows:
+                raise SegmentError(
+                    f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran "
+                    "for this pass, but it was called with other arguments than captured:\n  "
+                    + "\n  ".join(runner.signature.mismatches(args, kwargs))
+                    + "\nA segment replays all or none of its layers. Set graphs.segments=false for this model."
+                )
             return self._fallback(layer, index, runner, args, kwargs)
         tensors = runner.signature.tensor_leaves(args, kwargs)
         flat = ReplayFunction.apply(runner, *tensors, *runner.edge_params)

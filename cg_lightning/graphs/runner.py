@@ -119,8 +119,11 @@ class LayerGraphRunner:
         self.hidden_params: List[torch.nn.Parameter] = []
         #: the parameters the replay node takes as inputs (autograd edges to their AccumulateGrad nodes)
         self.edge_params: List[torch.nn.Parameter] = []
-        #: static inputs that alias the previous runner's static outputs (memory-saving mode)
+        #: static inputs that alias the previous runner's static outputs (memory-saving mode, segments), that
+        #: runner, and the version counters of this runner's outputs when last returned
         self.shared_inputs: List[int] = []
+        self.shared_from = None
+        self.returned_versions: List[int] = []
         self.replay_plan: List[Callable[[], None]] = []
         self.clone_slots: List[bool] = []
         self.output_requires_grad: List[bool] = []
@@ -405,6 +408,9 @@ class LayerGraphRunner:
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> tuple:
         if self.shared_inputs:
             check_shared_inputs(self, inputs)
+        segment = self.segment
+        if segment is not None and not self.segment_launcher:
+            segment.consume(self)
         if self._frozen_at_capture:
             self._check_still_frozen()
         self.forward_generation += 1
@@ -414,7 +420,18 @@ class LayerGraphRunner:
                     static.copy_(x)
         self._fwd.replay()
         self.replays += 1
-        return tuple(o.detach() for o in self._fwd.outputs)
+        outputs = self._fwd.outputs
+        self.returned_versions = [o._version for o in outputs]
+        return tuple(o.detach() for o in outputs)
+
+    @property
+    def segment(self):
+        """The :mod:`.segments` state this runner's forward belongs to, or ``None``."""
+        return getattr(self._fwd, "segment", None)
+
+    @property
+    def segment_launcher(self) -> bool:
+        return getattr(self._fwd, "launcher", True)
 
     def check_generation(self, generation: int) -> None:
         """Raise if the forward replay whose backward is due was followed by another forward replay."""

@@ -10,30 +10,27 @@ the other calls only check that they are handed exactly the chained tensors and 
 results. Grad-ready notifications still come from every call's own replay node, as before.
 
 What must hold, and is checked at every replay (``SegmentError`` otherwise, naming the layer): a member's
-input is the previous member's output tensor (not a copy, not a modified tensor), and the gradient that
-reaches a member's backward is exactly the tensor the next member's backward produced (an intermediate
-output also used elsewhere would add gradient the graph never saw). Found at capture: which recorded calls
-chain (:func:`find_segments`, by storage of the recorded tensors).
+input is the previous member's output tensor, unchanged (same storage and the same version counter: an
+in-place change between the two calls is caught), its arguments match the captured ones, and the gradient
+that reaches a member's backward is exactly the tensor the next member's backward produced (an
+intermediate output also used elsewhere would add gradient the graph never saw). A segment replays all or
+none of its calls: when its first call runs eagerly (shape policy), so do the others in that pass. Found
+at capture: which recorded calls chain (:func:`find_segments`, by storage and version counter of the
+recorded tensors). On the eager backend the launching call re-runs every member's body, so random draws or
+autocast changes made by the model *between* chained calls happen in another order than in eager
+execution (the same holds for CUDA graphs, where each graph's random offsets are reserved at launch).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Sequence
 
 import torch
 
 
 class SegmentError(RuntimeError):
     """A call inside a segment was not handed the chained tensor it was captured with."""
-
-
-def _single_tensor(x) -> Optional[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (tuple, list)) and len(x) == 1 and isinstance(x[0], torch.Tensor):
-        return x[0]
-    return None
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -64,6 +61,8 @@ def _chains(prev, call) -> bool:
         return False
     if not call.signature.positional_tensors:
         return False
+    if call.input_version is None or call.input_version != prev.output_version:
+        return False  # changed in place between the two calls
     return _same_tensor(call.args[0], out)
 
 
@@ -78,6 +77,22 @@ class _Member:
     def replay(self) -> None:
         if self.launcher:
             self.segment.replay()
+            self.segment.launches += 1
+
+
+class SegmentState:
+    """Which forward launch of its segment each following member consumed (one launch per pass)."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self._consumed = {}
+
+    def launched_for(self, runner) -> bool:
+        """True when the segment's forward launched since ``runner`` last replayed."""
+        return self._consumed.get(id(runner), 0) != self.launches
+
+    def consume(self, runner) -> None:
+        self._consumed[id(runner)] = self.launches
 
 
 class _MemberBackend:
@@ -100,10 +115,11 @@ def _detached(outs):
     return [o.detach() if isinstance(o, torch.Tensor) else None for o in outs]
 
 
-class _EagerSegment:
+class _EagerSegment(SegmentState):
     """Eager backend: the launching member re-runs every member body in capture order."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.members: List[tuple] = []  # (body, static outputs)
 
     def add(self, body) -> _Member:
@@ -125,8 +141,9 @@ class _EagerSegment:
                         static.copy_(new)
 
 
-class _CudaSegment:
+class _CudaSegment(SegmentState):
     def __init__(self, graph: "torch.cuda.CUDAGraph") -> None:
+        super().__init__()
         self.graph = graph
         self.count = 0
 
@@ -177,5 +194,6 @@ def check_segment_grad(runner, grad_outputs) -> None:
                 f"graphed {runner.name!r} is inside a segment (graphs.segments=true): its output's gradient was "
                 "computed by the segment's backward graph from the next layer alone, but autograd handed it "
                 f"{'no gradient' if g is None else 'another tensor'} (the output is also used outside the chain, "
-                "e.g. kept for an auxiliary loss). Set graphs.segments=false for this model."
+                "e.g. kept for an auxiliary loss, or a gradient hook on it returned a new tensor). Set "
+                "graphs.segments=false for this model."
             )
