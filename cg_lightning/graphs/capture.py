@@ -85,6 +85,27 @@ def _capture_segment_backward(wrapped: Sequence, members: Sequence) -> None:
             wrapped[j].capture_backward()
 
 
+def autocast_state() -> tuple:
+    """The autocast settings in force now, per device type: ``((device_type, enabled, dtype), ...)``."""
+    device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return tuple((dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in device_types)
+
+
+@contextlib.contextmanager
+def autocast_as(state: Optional[tuple]):
+    """Enter the autocast settings ``state`` (from :func:`autocast_state`), weight-cast cache off; ``None``:
+    leave the surrounding settings as they are. A layer call recorded under its own autocast settings (a
+    block run with autocast disabled, say) is warmed up, captured and, on the eager backend, replayed
+    under them, not under those of the step's first graphed call where capture happens."""
+    if state is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for dt, enabled, dtype in state:
+            stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=False))
+        yield
+
+
 @contextlib.contextmanager
 def _uncached_autocast():
     """Keep the surrounding autocast (dtype, enabled) but with its weight-cast cache off.

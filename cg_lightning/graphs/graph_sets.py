@@ -30,6 +30,8 @@ class CallRecord:
     output: Optional[object] = None
     input_version: Optional[int] = None
     output_version: Optional[int] = None
+    #: the autocast settings in force at the call (capture.autocast_state)
+    autocast: Optional[tuple] = None
 
 
 @dataclass

@@ -36,6 +36,7 @@ from .options import GraphOptions
 from .replay import ReplayFunction
 from .runner import LayerGraphRunner
 from .selection import select_layers
+from .capture import autocast_state
 from .segments import SegmentError, find_segments
 from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError
@@ -190,7 +191,8 @@ class GraphManager:
         index = self._calls.get(key, 0)
         self._calls[key] = index + 1
         if self._mode == "record":
-            record = CallRecord(layer, index, CallSignature(args, kwargs), _detach_tree(args), _detach_tree(kwargs))
+            record = CallRecord(layer, index, CallSignature(args, kwargs), _detach_tree(args), _detach_tree(kwargs),
+                                autocast=autocast_state())
             self._recording.calls.append(record)
             if self._recording is self._warmup_record:
                 self.stats.eager_calls += 1
@@ -333,6 +335,7 @@ class GraphManager:
             accumulate_into_main_grad=self.accumulate_into_main_grad,
             clone_param_grads_on_return=False,
             num_warmup_iters=self.options.num_warmup_iters,
+            autocast=call.autocast,
         )
 
     def _mark_failed(self, layer: _Layer, exc: BaseException) -> None:

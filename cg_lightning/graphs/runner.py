@@ -46,6 +46,7 @@ from typing import Callable, List, Optional, Sequence, Set
 import torch
 
 from .buffer_reuse import check_shared_inputs
+from .capture import autocast_as
 from .segments import check_segment_grad
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
@@ -78,6 +79,8 @@ class LayerGraphRunner:
         accumulate_into_main_grad: add parameter gradients into ``param.main_grad`` inside the graph.
         clone_param_grads_on_return: when not accumulating, return owned clones of parameter gradients.
         num_warmup_iters: eager warmup passes (>= 1).
+        autocast: the autocast settings the call was recorded under (:func:`.capture.autocast_state`);
+            warmup, capture and eager-backend replays of the body run under them. ``None``: the ambient ones.
     """
 
     def __init__(
@@ -94,8 +97,10 @@ class LayerGraphRunner:
         accumulate_into_main_grad: bool,
         clone_param_grads_on_return: bool = True,
         num_warmup_iters: int = 1,
+        autocast: Optional[tuple] = None,
     ) -> None:
         self.name = name
+        self.autocast = autocast  # the call's own autocast settings (capture.autocast_state), None: ambient
         self.module = module
         self._call = call
         self.signature = signature
@@ -151,7 +156,7 @@ class LayerGraphRunner:
     # ----------------------------------------------------------------- building
     def _run_module(self, inputs: Sequence[torch.Tensor]):
         args, kwargs = self.signature.rebuild(inputs)
-        with torch.enable_grad():
+        with torch.enable_grad(), autocast_as(self.autocast):
             out = self._call(*args, **kwargs)
         leaves, spec = _flat_outputs(out)
         bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
