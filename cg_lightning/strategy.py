@@ -141,6 +141,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
                     f"({', '.join(layer.name for layer in manager.layers)}) with the {stats.backend} backend "
                     f"in {stats.capture_seconds:.2f} s"
                     + (f" ({stats.graph_sets} graph sets)" if stats.graph_sets > 1 else "")
+                    + (f", chained into {stats.segments} segment(s)" if stats.segments else "")
                 )
 
     def _announce(self, message: str) -> None:

@@ -67,6 +67,7 @@ def test_gpt_blocks_form_one_segment_and_train_like_ddp(accelerator, backend):
     (ref_model, ref, _, _), (model, rec, trainer, roles), (_, layers_rec, _, _) = out["ddp"], out["cg"], out["cg_layers"]
     assert roles.roles == [(True, False), (False, False), (False, False), (False, True)], roles.roles
     assert trainer.strategy.last_graph_stats.forward_replays == 4 * 2 * (steps - WARMUP)
+    assert trainer.strategy.last_graph_stats.segments == 1
     assert rec.ready_counts == layers_rec.ready_counts
     loss_diff = max_rel_diff(rec.losses, ref.losses)
     weight_diff = state_rel_diff(model.state_dict(), ref_model.state_dict())

@@ -48,7 +48,8 @@ class GraphStats:
 
     ``captured_runners`` counts runners over all graph sets; ``graph_sets`` the sets, ``captures`` the
     capture events; ``pool_bytes`` the device memory allocated by captures (CUDA; 0 on CPU);
-    ``failed_layers`` the layers that run eagerly because their capture failed.
+    ``failed_layers`` the layers that run eagerly because their capture failed; ``segments`` the chains
+    captured as one forward and one backward graph (``graphs.segments``).
     """
 
     backend: str = ""
@@ -61,6 +62,7 @@ class GraphStats:
     captures: int = 0
     pool_bytes: int = 0
     failed_layers: List[str] = field(default_factory=list)
+    segments: int = 0  # chains of two or more calls captured as one forward and one backward graph
 
 
 @dataclass
@@ -320,6 +322,7 @@ class GraphManager:
         self.stats.captures += 1
         self.stats.graph_sets = len(self.cache.sets)
         self.stats.captured_runners = len(self.cache.all_runners())
+        self.stats.segments = len({id(r.segment) for r in self.cache.all_runners() if r.segment is not None})
         return graph_set
 
     def _runner(self, call: CallRecord) -> LayerGraphRunner:
