@@ -265,6 +265,17 @@ def test_graph_options_error_names_key(base, tmp_path):
     assert "command line: strategy.ddp.grad_dtype:" in error_of([base], ["strategy.ddp.grad_dtype=int8"])
 
 
+def test_every_rejected_value_is_reported_at_once(base):
+    """Four out-of-range values in three option groups: one line each, not only the first."""
+    msg = error_of([base], ["strategy.graphs.backend=5", "strategy.graphs.shape_policy=foo",
+                            "strategy.ddp.bucket_size_mb=-1", "trainer.max_steps=-2"])
+    lines = msg.splitlines()
+    for key in ("strategy.graphs.backend", "strategy.graphs.shape_policy", "strategy.ddp.bucket_size_mb",
+                "trainer.max_steps"):
+        assert sum(line.startswith(f"command line: {key}:") for line in lines) == 1, msg
+    assert len(lines) == 4, msg
+
+
 def test_own_validation_names_key(base):
     assert "command line: strategy.name: must be one of" in error_of([base], ["strategy.name=fsdp"])
     assert "command line: trainer.logger: must be one of" in error_of([base], ["trainer.logger=wandb"])

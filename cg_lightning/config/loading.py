@@ -3,11 +3,13 @@
 Each source (a YAML file, then the overrides) is checked against the schema before it is merged
 (:mod:`cg_lightning.config.validation`), so that every problem is reported with its source and full
 key path; then mandatory values, interpolations and each dataclass's ``__post_init__`` validation, and
-last the settings that contradict each other (:mod:`cg_lightning.config.conflicts`).
+last the settings that contradict each other (:mod:`cg_lightning.config.conflicts`). Every rejected value is
+reported, not only the first (:func:`_to_object_reporting_all`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -108,6 +110,63 @@ def _to_object_located(node: Union[DictConfig, ListConfig], path: str) -> Any:
         raise _Located(where, exc) from exc
 
 
+def _to_object_reporting_all(cfg: DictConfig, provenance: Dict[str, str], limit: int = 50) -> Any:
+    """Build the config objects; on rejected values report every one, not only the first.
+
+    The options' ``__post_init__`` checks stop at their first problem. So after each located problem the
+    offending field is set back to its schema default and the build is tried again, until it succeeds
+    or the problem cannot be pinned to a field; then all problems found are raised together.
+    """
+    problems: List[str] = []
+    first: Optional[BaseException] = None
+    work = copy.deepcopy(cfg)  # defaults are written into this one only
+    for _ in range(limit):
+        try:
+            result = _to_object_located(work, "")
+        except _Located as located:
+            source = provenance.get(located.path)
+            prefix = f"{source}: " if source else ""
+            text = _without_key_prefix(short(located.exc), located.path)
+            problems.append(f"{prefix}{located.path or '<top level>'}: {text}")
+            first = first or located.exc
+            if not _reset_to_default(work, located.path):
+                break
+            continue
+        if not problems:
+            return result
+        break
+    raise ConfigError("\n".join(problems)) from first
+
+
+def _reset_to_default(cfg: DictConfig, path: str) -> bool:
+    """Set the dataclass field at ``path`` back to its schema default; False when ``path`` is not one."""
+    if not path or "[" in path:
+        return False
+    parent_path, _, name = path.rpartition(".")
+    try:
+        parent = OmegaConf.select(cfg, parent_path, throw_on_resolution_failure=False) if parent_path else cfg
+    except Exception:
+        return False
+    schema = OmegaConf.get_type(parent) if isinstance(parent, DictConfig) else None
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return False
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    f = fields.get(name)
+    if f is None:
+        return False
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        default = f.default_factory()  # type: ignore[misc]
+    else:
+        return False
+    try:
+        parent[name] = default
+    except Exception:
+        return False
+    return True
+
+
 def _missing_keys(data: Any, path: str) -> List[str]:
     """Key paths of ``???`` values, without resolving interpolations (``OmegaConf.missing_keys`` does)."""
     if isinstance(data, Mapping):
@@ -161,13 +220,7 @@ def load_config(config_files: Sequence[Union[str, os.PathLike]] = (), overrides:
             "\n".join(missing_text(key, provenance, type_name(type_at(RunConfig, key))) for key in missing)
         )
 
-    try:
-        result = _to_object_located(cfg, "")
-    except _Located as located:
-        source = provenance.get(located.path)
-        prefix = f"{source}: " if source else ""
-        text = _without_key_prefix(short(located.exc), located.path)
-        raise ConfigError(f"{prefix}{located.path or '<top level>'}: {text}") from located.exc
+    result = _to_object_reporting_all(cfg, provenance)
     assert isinstance(result, RunConfig)
     attach_sources(result, provenance)
     check_settings(result)
