@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..graphs.state import grad_ready_deferred, record_grad_ready, set_grad_ready_reporter
+from ..graphs.state import grad_ready_deferred, grad_ready_reporter, record_grad_ready, set_grad_ready_reporter
 from .buffer import GradBuffer
 from .bucket import Bucket
 from .errors import GradSyncError
@@ -196,17 +196,11 @@ class DataParallelEngine(nn.Module):
         Buckets are all-reduced strictly in index order (a complete bucket waits for the ones before it),
         so every rank issues the same sequence of collectives even when one rank misses a gradient: the
         mismatch is then reported by :meth:`finish_grad_sync` instead of pairing different buckets.
-        Under :meth:`no_sync` nothing is counted (gradients only accumulate in ``main_grad``). The hooks
-        do the same through a per-parameter closure bound to the bucket and slot (no lookups per call).
+        Under :meth:`no_sync` nothing is counted (gradients only accumulate in ``main_grad``). This calls
+        the parameter's own notification closure, the one its hook and graph replays call (bound to its
+        bucket and slot, so the hot path does no lookups).
         """
-        observer = self.ready_observer
-        if observer is not None:
-            observer(param)
-        if not self.sync_enabled:
-            return
-        bucket = self.bucket_of[param]
-        if bucket.register_ready(bucket.slot_of[param]):
-            self._dispatch_ready_prefix()
+        grad_ready_reporter(param)()
 
     def _dispatch_ready_prefix(self) -> None:
         buckets = self.buckets

@@ -110,13 +110,20 @@ class CudaBackend:
             yield
         current.wait_stream(self.stream)
 
-    def capture(self, body: Body, pool=None) -> CapturedGraph:
+    @contextlib.contextmanager
+    def capture_region(self, pool=None) -> Iterator["torch.cuda.CUDAGraph"]:
+        """Capture everything run inside into one ``CUDAGraph`` on the capture stream, ordered after the
+        current stream's work (and the current stream after it)."""
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-            outs = body()
+            yield graph
         current.wait_stream(self.stream)
+
+    def capture(self, body: Body, pool=None) -> CapturedGraph:
+        with self.capture_region(pool) as graph:
+            outs = body()
         return _CudaGraph(graph, _detached(outs))
 
 

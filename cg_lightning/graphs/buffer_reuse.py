@@ -23,6 +23,8 @@ from typing import List, Sequence
 
 import torch
 
+from .segments import SegmentError
+
 
 class BufferReuseError(RuntimeError):
     """A callable in memory-saving mode was not called with the previous callable's output."""
@@ -46,6 +48,7 @@ def share_inputs_with_previous_outputs(prev, runner) -> List[int]:
             shared.append(j)
     runner.shared_inputs = shared
     runner.shared_from = prev
+    prev.outputs_shared = bool(shared)  # prev then records its outputs' version counters at every replay
     return shared
 
 
@@ -108,8 +111,6 @@ def check_shared_inputs(runner, inputs: Sequence[torch.Tensor]) -> None:
         else:
             continue
         if getattr(runner._fwd, "segment", None) is not None:
-            from .segments import SegmentError
-
             raise SegmentError(
                 f"graphed {runner.name!r} is inside a segment (graphs.segments=true) and {problem} (tensor input "
                 f"{j}); the segment's graph already computed it from the unchanged output. Keep the chain "

@@ -113,15 +113,10 @@ def _uncached_autocast():
     A cached cast made before capture would be baked into the graph and never see updated weights;
     capture must not depend on how a Lightning version configures the cache.
     """
-    device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    stack = contextlib.ExitStack()
-    with stack:
-        for dt in device_types:
-            if torch.is_autocast_enabled(dt):
-                torch.clear_autocast_cache()
-                stack.enter_context(
-                    torch.autocast(dt, dtype=torch.get_autocast_dtype(dt), enabled=True, cache_enabled=False)
-                )
+    enabled = tuple(s for s in autocast_state() if s[1])
+    if enabled:
+        torch.clear_autocast_cache()
+    with autocast_as(enabled):
         yield
 
 

@@ -95,6 +95,7 @@ class OptimizerStepGraph:
         self._pool = None
         self._capturable: List[Any] = []  # per group: the user's "capturable" value
         self._lr: List[torch.Tensor] = []  # per group: the device tensor the captured step reads
+        self._lr_values: List[Any] = []  # per group: the value last written into it
         self._hyper: List[Dict[str, Any]] = []
         self._grads: List[tuple] = []  # (param, .grad at capture or None), every parameter of every group
 
@@ -183,6 +184,7 @@ class OptimizerStepGraph:
         if cuda:
             self._lr = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=g["params"][0].device)
                         if g["params"] else torch.tensor(float(g["lr"])) for g in groups]
+            self._lr_values = [g["lr"] for g in groups]
         self._pool = self.backend.new_pool()
 
         def body():
@@ -205,8 +207,12 @@ class OptimizerStepGraph:
             self._graph.replay()  # a CUDA capture records the step without running it
 
     def _sync_lr(self) -> None:
-        for group, t in zip(self.optimizer.param_groups, self._lr):
-            t.fill_(group["lr"])
+        """Write each group's learning rate into its device tensor, only when it changed (one small kernel)."""
+        for i, (group, t) in enumerate(zip(self.optimizer.param_groups, self._lr)):
+            lr = group["lr"]
+            if lr != self._lr_values[i]:
+                t.fill_(lr)
+                self._lr_values[i] = lr
 
     def _stale(self) -> Optional[str]:
         opt = self.optimizer
@@ -218,9 +224,8 @@ class OptimizerStepGraph:
                         "to None by a skipped backward, or a parameter that had none now has one); keep .grad "
                         "in place or set graphs.capture_optimizer=false")
         for i, (group, hyper) in enumerate(zip(opt.param_groups, self._hyper)):
-            now = _hyper(group)
-            if now != hyper:
-                keys = sorted(k for k in set(now) | set(hyper) if now.get(k) != hyper.get(k))
+            keys = _changed_keys(group, hyper)
+            if keys:
                 return (f"hyperparameter(s) {keys} of param group {i} changed after the step was captured (only 'lr' "
                         "may change; a scheduler that also cycles momentum needs graphs.capture_optimizer=false)")
         if _has_step_hooks(opt):
@@ -230,6 +235,14 @@ class OptimizerStepGraph:
 
 def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
     return {k: _Same(v) for k, v in group.items() if k not in _STEP_KEYS_IGNORED}
+
+
+def _changed_keys(group: Dict[str, Any], hyper: Dict[str, Any]) -> List[str]:
+    """Hyperparameters of ``group`` that differ from the captured ``hyper`` (added, removed or changed)."""
+    changed = [k for k, v in hyper.items() if k not in group or not v == group[k]]
+    if len(group) - sum(k in group for k in _STEP_KEYS_IGNORED) != len(hyper):
+        changed += [k for k in group if k not in hyper and k not in _STEP_KEYS_IGNORED]
+    return sorted(changed)
 
 
 class _Same:

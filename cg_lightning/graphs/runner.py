@@ -125,16 +125,17 @@ class LayerGraphRunner:
         #: the parameters the replay node takes as inputs (autograd edges to their AccumulateGrad nodes)
         self.edge_params: List[torch.nn.Parameter] = []
         #: static inputs that alias the previous runner's static outputs (memory-saving mode, segments), that
-        #: runner, and the version counters of this runner's outputs when last returned
+        #: runner; whether the next runner aliases this one's outputs, and then their version counters when
+        #: last returned (an in-place change before the next call is caught)
         self.shared_inputs: List[int] = []
         self.shared_from = None
+        self.outputs_shared = False
         self.returned_versions: List[int] = []
         self.replay_plan: List[Callable[[], None]] = []
         self.clone_slots: List[bool] = []
         self.output_requires_grad: List[bool] = []
         self._out_spec = None
-        self._leaf_spec_checked = None  # the spec _single_output was decided for
-        self._single_output = False
+        self._single_output = False  # the layer returns one tensor (no pytree at replay)
         self._autograd_outputs: Optional[list] = None
         self._fwd = None
         self._bwd = None
@@ -243,6 +244,9 @@ class LayerGraphRunner:
         except Exception as exc:  # host syncs, CPU tensors, data-dependent control flow ...
             raise GraphCaptureError(_capture_failure(self.name, "forward", exc)) from exc
         self._bypassed_regions = regions
+        marker = object()
+        single = len(self._autograd_outputs) == 1
+        self._single_output = single and pytree.tree_unflatten([marker], self._out_spec) is marker
         outs = self._autograd_outputs
         self.output_requires_grad = [o.requires_grad for o in outs]
         self._visible = reachable_leaves(outs)
@@ -426,7 +430,8 @@ class LayerGraphRunner:
         self._fwd.replay()
         self.replays += 1
         outputs = self._fwd.outputs
-        self.returned_versions = [o._version for o in outputs]
+        if self.outputs_shared:
+            self.returned_versions = [o._version for o in outputs]
         return tuple(o.detach() for o in outputs)
 
     @property
@@ -478,14 +483,9 @@ class LayerGraphRunner:
         return (*input_grads, *param_grads)
 
     def output_structure(self, flat: tuple):
-        spec = self._out_spec
-        if spec is not self._leaf_spec_checked:  # is the output one tensor? (decided once per spec)
-            self._leaf_spec_checked = spec
-            marker = object()
-            self._single_output = getattr(spec, "num_leaves", None) == 1 and pytree.tree_unflatten([marker], spec) is marker
         if self._single_output:
             return flat[0]
-        return pytree.tree_unflatten(list(flat), spec)
+        return pytree.tree_unflatten(list(flat), self._out_spec)
 
 
 def _saved_tensor_hooks_active() -> bool:

@@ -28,6 +28,8 @@ from typing import Iterator, List, Sequence
 
 import torch
 
+from .backends import _detached, _EagerGraph
+
 
 class SegmentError(RuntimeError):
     """A call inside a segment was not handed the chained tensor it was captured with."""
@@ -111,34 +113,21 @@ class _MemberBackend:
         return self._segment.add(body)
 
 
-def _detached(outs):
-    return [o.detach() if isinstance(o, torch.Tensor) else None for o in outs]
-
-
 class _EagerSegment(SegmentState):
-    """Eager backend: the launching member re-runs every member body in capture order."""
+    """Eager backend: the launching member replays every member's body in capture order."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.members: List[tuple] = []  # (body, static outputs)
+        self.members: List[_EagerGraph] = []
 
     def add(self, body) -> _Member:
-        outs = _detached(body())
-        member = _Member(self, outs, launcher=not self.members)
-        self.members.append((body, outs))
-        return member
+        graph = _EagerGraph(body, _detached(body()))
+        self.members.append(graph)
+        return _Member(self, graph.outputs, launcher=len(self.members) == 1)
 
     def replay(self) -> None:
-        for body, statics in self.members:
-            fresh = body()
-            with torch.no_grad():
-                for static, new in zip(statics, fresh):
-                    if static is None:
-                        continue
-                    if new is None:
-                        static.zero_()
-                    elif not (static.data_ptr() == new.data_ptr() and static.stride() == new.stride()):
-                        static.copy_(new)
+        for graph in self.members:
+            graph.replay()
 
 
 class _CudaSegment(SegmentState):
@@ -149,9 +138,8 @@ class _CudaSegment(SegmentState):
 
     def add(self, body) -> _Member:
         outs = _detached(body())
-        member = _Member(self, outs, launcher=self.count == 0)
         self.count += 1
-        return member
+        return _Member(self, outs, launcher=self.count == 1)
 
     def replay(self) -> None:
         self.graph.replay()
@@ -163,12 +151,8 @@ def segment_capture(backend, pool) -> Iterator[object]:
     if backend.name != "cuda":
         yield _EagerSegment()
         return
-    graph = torch.cuda.CUDAGraph()
-    current = torch.cuda.current_stream(backend.device)
-    backend.stream.wait_stream(current)
-    with torch.cuda.graph(graph, pool=pool, stream=backend.stream):
+    with backend.capture_region(pool) as graph:
         yield _CudaSegment(graph)
-    current.wait_stream(backend.stream)
 
 
 @contextlib.contextmanager

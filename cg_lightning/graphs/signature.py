@@ -96,30 +96,28 @@ class CallSignature:
         if self.positional_tensors:
             if kwargs or len(args) != len(self.metas):
                 return False
-            for x, meta in zip(args, self.metas):
-                if not isinstance(x, torch.Tensor) or (
-                    x.shape != meta.shape
-                    or x.dtype != meta.dtype
-                    or x.device != meta.device
-                    or x.requires_grad != meta.requires_grad
-                ):
-                    return False
-            return True
+            return all(_meta_matches(x, meta) for x, meta in zip(args, self.metas))
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.spec:
             return False
         for x, meta, is_t in zip(leaves, self.metas, self.is_tensor):
             if is_t:
-                if not isinstance(x, torch.Tensor) or (
-                    tuple(x.shape) != meta.shape
-                    or x.dtype != meta.dtype
-                    or x.device != meta.device
-                    or x.requires_grad != meta.requires_grad
-                ):
+                if not _meta_matches(x, meta):
                     return False
             elif isinstance(x, torch.Tensor) or not _same_value(x, meta):
                 return False
         return True
+
+
+def _meta_matches(x: Any, meta: TensorMeta) -> bool:
+    """``x`` is a tensor with ``meta``'s shape, dtype, device and ``requires_grad``."""
+    return (
+        isinstance(x, torch.Tensor)
+        and x.shape == meta.shape
+        and x.dtype == meta.dtype
+        and x.device == meta.device
+        and x.requires_grad == meta.requires_grad
+    )
 
 
 def _same_value(a: Any, b: Any) -> bool:
