@@ -2,6 +2,9 @@
 # Two-GPU (NCCL) parity, failure and scaling checks for issue 9, on the nvidia-h200-x2 machine, repo root:
 #   bash scripts/multi_gpu_checks.sh WORKDIR [REPORTDIR] [sections...]
 # sections (default: all, in this order): small models engine scaling accelerate
+#   repeat      the 2-GPU parity test's GPT (12 layers, d=256, T=128, fp32, 50 steps): each strategy twice, our
+#               engine without graphs, graphs with CUDA_LAUNCH_BLOCKING=1 (no stream overlap) and both with
+#               deterministic kernels: tells kernel noise, stream races and engine errors apart
 #   small       small GPT (d=768, T=512), 20 steps: both strategies with deterministic kernels, Lightning "ddp"
 #               against itself (tells kernel noise from engine error), bf16-mixed pair, fp32 pair
 #   models      tied weights + accumulation (loss recomputed), checkpoint-hidden-parameter seed model
@@ -38,6 +41,23 @@ SMALL="--n-layer 12 --d-model 768 --n-head 12 --block-size 512 --batch-size 8"
 for sec in $sections; do
   echo "== $sec ($(left) s left)"
   case $sec in
+  repeat)
+    R="--n-layer 12 --d-model 256 --n-head 4 --block-size 128 --batch-size 8 --steps 50"
+    run rep_a ddp $R
+    run rep_a cudagraph_ddp $R
+    run rep_b ddp $R
+    run rep_b cudagraph_ddp $R
+    run rep_nographs cudagraph_ddp $R --no-graphs
+    CUDA_LAUNCH_BLOCKING=1 run rep_blocking cudagraph_ddp $R
+    run rep_det ddp $R --deterministic
+    run rep_det cudagraph_ddp $R --deterministic
+    pairs "repeat: ddp vs ddp=$work/rep_a.ddp.pt,$work/rep_b.ddp.pt" \
+      "repeat: cg vs cg=$work/rep_a.cudagraph_ddp.pt,$work/rep_b.cudagraph_ddp.pt" \
+      "repeat: cg vs ddp (a)=$work/rep_a.ddp.pt,$work/rep_a.cudagraph_ddp.pt" \
+      "repeat: cg vs ddp (b)=$work/rep_b.ddp.pt,$work/rep_b.cudagraph_ddp.pt" \
+      "repeat: engine without graphs vs ddp=$work/rep_a.ddp.pt,$work/rep_nographs.cudagraph_ddp.pt" \
+      "repeat: cg with CUDA_LAUNCH_BLOCKING set vs ddp=$work/rep_a.ddp.pt,$work/rep_blocking.cudagraph_ddp.pt" \
+      "repeat: deterministic kernels=$work/rep_det.ddp.pt,$work/rep_det.cudagraph_ddp.pt" ;;
   small)
     run small_32_det ddp $SMALL --steps 20 --deterministic
     run small_32_det cudagraph_ddp $SMALL --steps 20 --deterministic

@@ -89,20 +89,29 @@ def test_cuda_block_applied_twice_with_recomputation():
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h200-x2)")
-@pytest.mark.parametrize("precision,tol", [("32-true", 1e-5), ("bf16-mixed", 1e-2)])
-def test_two_gpu_nccl_parity(tmp_path, precision, tol):
+@pytest.mark.parametrize("precision,deterministic,tol", [("32-true", True, 1e-6), ("bf16-mixed", False, 1e-2)])
+def test_two_gpu_nccl_parity(tmp_path, precision, deterministic, tol):
     """Issue 9: 2 GPUs over NCCL, real graphs, a 12-layer GPT (d=256, T=128: several buckets, so all-reduces
-    are issued from grad-ready hooks while the backward still runs), 50 steps against Lightning "ddp"."""
+    are issued from grad-ready hooks while the backward still runs), 50 steps against Lightning "ddp".
+
+    fp32 runs both strategies with deterministic kernels (``--deterministic``: math attention), because the
+    fused attention backward is not repeatable: on an H200 (session 4) two Lightning "ddp" runs with the same
+    seed differed by 9.9e-5 in loss and 2.4e-2 in blocks.0.qkv.weight, while cudagraph_ddp reproduced
+    itself and one of those two runs bit for bit. With deterministic kernels the two strategies are equal
+    (measured: 0 and 0), hence the 1e-6 bound. bf16-mixed keeps the fused kernels."""
     from tests.helpers import train_subprocess
 
     common = ["--accelerator", "gpu", "--devices", "2", "--backend", "cuda", "--precision", precision, "--steps", "50",
               "--n-layer", "12", "--d-model", "256", "--n-head", "4", "--block-size", "128", "--batch-size", "8"]
+    if deterministic:
+        common.append("--deterministic")
     ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp", *common, timeout=280)
     cg = train_subprocess(str(tmp_path / "cg.pt"), "--strategy", "cudagraph_ddp", *common, timeout=280)
     loss_diff = max_rel_diff(cg["losses"], ref["losses"])
     weight_diff = state_rel_diff(cg["state"], ref["state"])
-    print(f"2 GPUs {precision}: max rel loss diff {loss_diff:.2e}, max rel weight diff {weight_diff:.2e}")
+    print(f"2 GPUs {precision}{' deterministic' if deterministic else ''}: max rel loss diff {loss_diff:.2e}, "
+          f"max rel weight diff {weight_diff:.2e}")
     assert cg["stats"]["forward_replays"] == 12 * 48
     assert loss_diff < tol
     if precision == "32-true":
-        assert weight_diff < 1e-5
+        assert weight_diff < tol

@@ -8,6 +8,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from .autocast import uncached_autocast
 from .buffer_reuse import (
     release_param_grad_outputs,
     share_grad_outputs_with_next_grad_inputs,
@@ -35,7 +36,7 @@ def capture_in_order(
     """
     real = [getattr(r, "runner", r) for r in runners]  # set_capture wraps runners to know which one failed
     groups = segments if segments is not None else [[i] for i in range(len(runners))]
-    with _preserved_training_state(model, layers, restore_grads), _uncached_autocast():
+    with _preserved_training_state(model, layers, restore_grads), uncached_autocast():
         for runner in runners:
             with runner.backend.warmup_stream():
                 runner.warmup()
@@ -83,41 +84,6 @@ def _capture_segment_backward(wrapped: Sequence, members: Sequence) -> None:
             if j + 1 < len(members):
                 share_grad_outputs_with_next_grad_inputs(members[j], members[j + 1])
             wrapped[j].capture_backward()
-
-
-def autocast_state() -> tuple:
-    """The autocast settings in force now, per device type: ``((device_type, enabled, dtype), ...)``."""
-    device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    return tuple((dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in device_types)
-
-
-@contextlib.contextmanager
-def autocast_as(state: Optional[tuple]):
-    """Enter the autocast settings ``state`` (from :func:`autocast_state`), weight-cast cache off; ``None``:
-    leave the surrounding settings as they are. A layer call recorded under its own autocast settings (a
-    block run with autocast disabled, say) is warmed up, captured and, on the eager backend, replayed
-    under them, not under those of the step's first graphed call where capture happens."""
-    if state is None:
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        for dt, enabled, dtype in state:
-            stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=False))
-        yield
-
-
-@contextlib.contextmanager
-def _uncached_autocast():
-    """Keep the surrounding autocast (dtype, enabled) but with its weight-cast cache off.
-
-    A cached cast made before capture would be baked into the graph and never see updated weights;
-    capture must not depend on how a Lightning version configures the cache.
-    """
-    enabled = tuple(s for s in autocast_state() if s[1])
-    if enabled:
-        torch.clear_autocast_cache()
-    with autocast_as(enabled):
-        yield
 
 
 @contextlib.contextmanager

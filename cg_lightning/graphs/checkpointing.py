@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from .autocast import autocast_as, autocast_state
 from .discovery import leaves_inside
 from .state import is_graph_capturing, is_graph_warmup
 
@@ -123,7 +124,9 @@ class CheckpointWithoutOutput:
 
     ``fn`` may return a tensor or a tuple of tensors; tensor and non-tensor arguments are accepted.
     RNG states (CPU and CUDA) are saved at :meth:`checkpoint` and restored for the recomputation, so
-    dropout inside ``fn`` draws the same masks.
+    dropout inside ``fn`` draws the same masks; the autocast settings in force at :meth:`checkpoint` are
+    re-entered for the recomputation (the backward itself runs outside autocast), so the recomputed output
+    has the forward's dtype and values, as with ``torch.utils.checkpoint``.
 
     During graph warmup (:func:`is_graph_warmup`) ``checkpoint`` just calls ``fn`` with autograd and
     ``discard_output_and_register_recompute`` does nothing. The idea and the warmup bypass come from
@@ -139,6 +142,7 @@ class CheckpointWithoutOutput:
         self._ctx = None
         self._outputs: Optional[Tuple[torch.Tensor, ...]] = None
         self._rng = None
+        self._autocast: Optional[tuple] = None
         self._bypassed = False
 
     def checkpoint(self, fn: Callable, *args: Any):
@@ -149,6 +153,7 @@ class CheckpointWithoutOutput:
         self._bypassed = False
         self._run_function = fn
         self._rng = _rng_states()
+        self._autocast = autocast_state()  # recomputed under the forward's autocast, as torch.utils.checkpoint does
         # The extra input requiring grad keeps the backward reachable even when no argument requires grad
         # (parameters used inside ``fn`` still need their nested backward).
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
@@ -182,7 +187,7 @@ class CheckpointWithoutOutput:
         current_rng = _rng_states()
         _set_rng_states(self._rng)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), autocast_as(self._autocast):
                 recomputed = self._run_function(*args)
         finally:
             _set_rng_states(current_rng)

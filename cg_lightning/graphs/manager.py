@@ -36,7 +36,7 @@ from .options import GraphOptions
 from .replay import ReplayFunction
 from .runner import LayerGraphRunner
 from .selection import select_layers
-from .capture import autocast_state
+from .autocast import autocast_state
 from .segments import SegmentError, find_segments
 from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError

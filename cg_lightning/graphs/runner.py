@@ -46,7 +46,7 @@ from typing import Callable, List, Optional, Sequence, Set
 import torch
 
 from .buffer_reuse import check_shared_inputs
-from .capture import autocast_as
+from .autocast import autocast_as, autocast_off
 from .segments import check_segment_grad
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
@@ -211,9 +211,10 @@ class LayerGraphRunner:
                     [p for p in grad_params if id(p) in self._warmup_reachable], inputs
                 )
                 if diff and targets:
-                    torch.autograd.grad(
-                        diff, targets, [torch.ones_like(o) for o in diff], allow_unused=True
-                    )
+                    with autocast_off():
+                        torch.autograd.grad(
+                            diff, targets, [torch.ones_like(o) for o in diff], allow_unused=True
+                        )
                 del outs, diff, inputs
 
     def capture_forward(self) -> None:
@@ -311,7 +312,7 @@ class LayerGraphRunner:
                 )
 
     def _backward_body(self) -> List[Optional[torch.Tensor]]:
-        with graph_capture():
+        with graph_capture(), autocast_off():  # backward runs outside autocast (capture.autocast_off)
             return self._backward_body_inner()
 
     def _backward_body_inner(self) -> List[Optional[torch.Tensor]]:

@@ -181,6 +181,8 @@ def main(argv=None) -> None:
                          "bn: two Linear+BatchNorm1d blocks (graphed as 'blocks.*') on rank-dependent data")
     ap.add_argument("--no-broadcast-buffers", action="store_true",
                     help="cudagraph_ddp only: ddp.broadcast_buffers=False")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="cudagraph_ddp only: graphs.enabled=False (our DDP engine alone, every layer eager)")
     ap.add_argument("--deterministic", action="store_true",
                     help="Trainer(deterministic=True): deterministic kernels, to tell kernel noise from engine errors")
     ap.add_argument("--out", required=True)
@@ -201,6 +203,8 @@ def main(argv=None) -> None:
         model, data = SeedLightningModule(), SeedData()
     if a.strategy == "cudagraph_ddp":
         graphs = {"warmup_steps": a.warmup_steps, "backend": a.backend}
+        if a.no_graphs:
+            graphs = {"enabled": False}
         if a.model == "bn":
             graphs["layers"] = ["blocks.*"]
         strategy = cg_lightning.CUDAGraphDDPStrategy(
