@@ -5,13 +5,14 @@
 #   repeat      the 2-GPU parity test's GPT (12 layers, d=256, T=128, fp32, 50 steps): each strategy twice, our
 #               engine without graphs, graphs with CUDA_LAUNCH_BLOCKING=1 (no stream overlap) and both with
 #               deterministic kernels: tells kernel noise, stream races and engine errors apart
-#   small       small GPT (d=768, T=512), 20 steps: both strategies with deterministic kernels, Lightning "ddp"
+#   small       small GPT (d=768, T=512), $SMALL_STEPS steps (default 20): both strategies with deterministic kernels, Lightning "ddp"
 #               against itself (tells kernel noise from engine error), bf16-mixed pair, fp32 pair
 #   models      tied weights + accumulation (loss recomputed), checkpoint-hidden-parameter seed model
 #   engine      engine_dist.py scenarios overlap, stuck, missing (NCCL, engine timeout 10 s)
 #   scaling     benchmarks/scaling.py, sizes $SCALING_SIZES (default tiny small), strategies $SCALING_STRATEGIES
 #               (default ddp cudagraph_ddp), 1 and 2 GPUs
 #   accelerate  examples/train_accelerate.py on 1 GPU, fp32, graphs against eager, per-tensor report
+# SKIP_DDP_REPEAT=1 leaves out the "ddp" repeat run of the small section.
 # Runs and logs go to WORKDIR; REPORTDIR (default WORKDIR) gets report.md and scaling.jsonl only, written as
 # each section ends. BUDGET_S (default 540) bounds the whole script: a run that would pass it is skipped.
 # Leaves NCCL_NVLS_ENABLE and the other machine settings as they are.
@@ -59,13 +60,14 @@ for sec in $sections; do
       "repeat: cg with CUDA_LAUNCH_BLOCKING set vs ddp=$work/rep_a.ddp.pt,$work/rep_blocking.cudagraph_ddp.pt" \
       "repeat: deterministic kernels=$work/rep_det.ddp.pt,$work/rep_det.cudagraph_ddp.pt" ;;
   small)
-    run small_32_det ddp $SMALL --steps 20 --deterministic
-    run small_32_det cudagraph_ddp $SMALL --steps 20 --deterministic
-    run small_32 ddp $SMALL --steps 20
-    run small_32_repeat ddp $SMALL --steps 20
-    run small_bf16 ddp $SMALL --steps 20 --precision bf16-mixed
-    run small_bf16 cudagraph_ddp $SMALL --steps 20 --precision bf16-mixed
-    run small_32 cudagraph_ddp $SMALL --steps 20
+    S=${SMALL_STEPS:-20}
+    run small_32_det ddp $SMALL --steps $S --deterministic
+    run small_32_det cudagraph_ddp $SMALL --steps $S --deterministic
+    run small_bf16 ddp $SMALL --steps $S --precision bf16-mixed
+    run small_bf16 cudagraph_ddp $SMALL --steps $S --precision bf16-mixed
+    run small_32 ddp $SMALL --steps $S
+    run small_32 cudagraph_ddp $SMALL --steps $S
+    [ -z "${SKIP_DDP_REPEAT:-}" ] && run small_32_repeat ddp $SMALL --steps $S
     pairs "small fp32, deterministic kernels=$work/small_32_det.ddp.pt,$work/small_32_det.cudagraph_ddp.pt" \
       "small fp32, ddp vs ddp (same seed)=$work/small_32.ddp.pt,$work/small_32_repeat.ddp.pt" \
       "small fp32=$work/small_32.ddp.pt,$work/small_32.cudagraph_ddp.pt" \
