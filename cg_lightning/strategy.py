@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Generator, Optional, Union
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -96,6 +97,17 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         """
         super().setup_distributed()
         atexit.register(_destroy_process_group_at_exit)
+
+    def setup(self, trainer: Any) -> None:
+        """Lightning's DDP setup; outside fitting (``trainer.validate/test/predict``) with
+        ``graphs.capture_eval`` also a graph manager for eval-mode graphs only (no DDP engine: nothing to
+        reduce), removed again at teardown."""
+        super().setup(trainer)
+        if (trainer.state.fn != TrainerFn.FITTING and self.graph_options.enabled and self.graph_options.capture_eval
+                and self.graph_manager is None and self.lightning_module is not None):
+            self.graph_manager = GraphManager(
+                self.lightning_module, self.graph_options, self.root_device, accumulate_into_main_grad=False
+            )
 
     def _setup_model(self, model: Module) -> DataParallelEngine:
         lm = self.lightning_module

@@ -220,8 +220,6 @@ def test_callback_overrides_strategy_warmup_steps():
     assert strategy.last_graph_stats.forward_replays == 2 * (6 - 1)
     with pytest.raises(ValueError, match="shape_policy"):
         CUDAGraphCallback(shape_policy="sometimes")
-    with pytest.raises(ValueError, match="capture_eval"):
-        CUDAGraphCallback(capture_eval=True)
 
 
 def _fit_with(strategy, callbacks, steps, ckpt_path=None, root=None, logger=False, progress=False):

@@ -34,7 +34,8 @@ class GraphMonitor(Callback):
     ``graphs/pool_bytes`` (device memory allocated while capturing, i.e. ``torch.cuda.memory_allocated``
     after minus before each capture, summed: the graphs' static buffers and pool; 0 on CPU); with
     ``graphs.capture_optimizer`` also ``graphs/optimizer_replays`` (optimizer steps replayed from a graph so
-    far in this fit).
+    far in this fit); with ``graphs.capture_eval`` also ``graphs/eval_replays`` (eval-mode layer calls
+    replayed from forward-only graphs so far in this fit).
 
     With ``prog_bar`` the progress bar shows ``graphs/captured`` and a ``graphs`` entry with the state:
     ``eager`` (before capture), ``captured N`` and ``, fallback`` when some calls run eagerly.
@@ -103,6 +104,8 @@ class GraphMonitor(Callback):
         strategy = trainer.strategy
         if getattr(getattr(strategy, "graph_options", None), "capture_optimizer", False):
             pl_module.log("graphs/optimizer_replays", float(strategy.optimizer_replays), on_step=True)
+        if getattr(getattr(strategy, "graph_options", None), "capture_eval", False):
+            pl_module.log("graphs/eval_replays", float(stats.eval_replays), on_step=True)
         self._t0 = now
         self._last_batches = self._batches
         self._last_replays = stats.forward_replays

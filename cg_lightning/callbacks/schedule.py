@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from ..graphs import GraphOptions
 
 #: the GraphOptions fields this callback owns
-SCHEDULE_FIELDS = ("warmup_steps", "shape_policy", "max_graph_sets", "on_capture_error")
+SCHEDULE_FIELDS = ("warmup_steps", "shape_policy", "max_graph_sets", "on_capture_error", "capture_eval")
 
 
 class CUDAGraphCallback(Callback):
@@ -31,29 +31,24 @@ class CUDAGraphCallback(Callback):
     (over all runs), the signatures captured and the options.
 
     Args:
-        warmup_steps, shape_policy, max_graph_sets, on_capture_error: as in ``GraphOptions``; ``None``
-            leaves the value to the checkpoint or the strategy.
-        capture_eval: graph layers in eval mode too. Not supported yet (eval calls run eagerly): must be
-            ``False``.
+        warmup_steps, shape_policy, max_graph_sets, on_capture_error, capture_eval: as in
+            ``GraphOptions`` (``capture_eval``: forward-only graphs for layers in eval mode: validation,
+            test, predict, sanity check); ``None`` leaves the value to the checkpoint or the strategy.
 
     Raises:
-        ValueError: for an invalid value (checked like ``GraphOptions``) or ``capture_eval=True``.
+        ValueError: for an invalid value (checked like ``GraphOptions``).
     """
 
     def __init__(
         self,
         warmup_steps: Optional[int] = None,
         shape_policy: Optional[str] = None,
-        capture_eval: bool = False,
+        capture_eval: Optional[bool] = None,
         max_graph_sets: Optional[int] = None,
         on_capture_error: Optional[str] = None,
     ) -> None:
-        if capture_eval:
-            raise ValueError("CUDAGraphCallback(capture_eval=True) is not supported yet: layers in eval mode "
-                             "run eagerly under strategy='cudagraph_ddp'.")
-        self.capture_eval = capture_eval
         given = dict(warmup_steps=warmup_steps, shape_policy=shape_policy, max_graph_sets=max_graph_sets,
-                     on_capture_error=on_capture_error)
+                     on_capture_error=on_capture_error, capture_eval=capture_eval)
         self.overrides: Dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         GraphOptions(**self.overrides)  # validates
         self.restored: Dict[str, Any] = {}  # options loaded from a checkpoint

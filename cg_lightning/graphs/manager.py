@@ -17,7 +17,8 @@ Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of ever
 * A layer whose capture raises :class:`GraphCaptureError` follows ``on_capture_error``: ``"eager"``
   drops it from the set (it runs eagerly from then on) and captures the others without it.
 
-Layers in eval mode and calls under ``no_grad`` run eagerly.
+Calls in eval mode or under ``no_grad`` run eagerly, or, with ``capture_eval``, eval-mode calls without
+autograd replay forward-only graphs kept apart from the training graphs (:mod:`.eval_graphs`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from .backends import make_backend
+from .eval_graphs import EvalGraphs
 from .graph_sets import CallRecord, GraphSet, GraphSetCache, StepRecord, describe
 from .options import GraphOptions
 from .replay import ReplayFunction
@@ -49,7 +51,9 @@ class GraphStats:
     ``captured_runners`` counts runners over all graph sets; ``graph_sets`` the sets, ``captures`` the
     capture events; ``pool_bytes`` the device memory allocated by captures (CUDA; 0 on CPU);
     ``failed_layers`` the layers that run eagerly because their capture failed; ``segments`` the chains
-    captured as one forward and one backward graph (``graphs.segments``).
+    captured as one forward and one backward graph (``graphs.segments``); ``eval_graphs`` and
+    ``eval_replays`` the forward-only graphs of eval-mode calls and their replays (``graphs.capture_eval``;
+    their pool is counted in ``pool_bytes``, their warmup calls in ``eager_calls``).
     """
 
     backend: str = ""
@@ -63,6 +67,8 @@ class GraphStats:
     pool_bytes: int = 0
     failed_layers: List[str] = field(default_factory=list)
     segments: int = 0  # chains of two or more calls captured as one forward and one backward graph
+    eval_graphs: int = 0  # forward-only graphs of eval-mode calls (graphs.capture_eval)
+    eval_replays: int = 0
 
 
 @dataclass
@@ -110,6 +116,7 @@ class GraphManager:
             module.forward = self._make_dispatch(layer)
             self.layers.append(layer)
         self.cache = GraphSetCache(options.max_graph_sets)
+        self.eval_graphs: Optional[EvalGraphs] = None  # built at the first eval call with capture_eval on
         self._warmup_record: Optional[StepRecord] = None  # the last warmup step's calls
         self._start_step: Optional[int] = None
         self._global_step = 0
@@ -166,6 +173,8 @@ class GraphManager:
                 del layer.module.forward
         self.cache.clear()
         self._warmup_record = None
+        if self.eval_graphs is not None:
+            self.eval_graphs.clear()
 
     # ----------------------------------------------------------------- dispatch
     def _make_dispatch(self, layer: _Layer):
@@ -182,6 +191,9 @@ class GraphManager:
             and torch.is_grad_enabled()
         )
         if not graphable:
+            if (self.options.capture_eval and self.backend is not None and not layer.module.training
+                    and not torch.is_grad_enabled()):
+                return self._eval_call(layer, args, kwargs)
             self.stats.eager_calls += 1
             return layer.forward(*args, **kwargs)
         if self._mode is None:
@@ -229,6 +241,19 @@ class GraphManager:
         flat = ReplayFunction.apply(runner, *tensors, *runner.edge_params)
         self.stats.forward_replays += 1
         return runner.output_structure(flat)
+
+    def _eval_call(self, layer: _Layer, args: tuple, kwargs: dict):
+        graphs = self.eval_graphs
+        if graphs is None:
+            graphs = self.eval_graphs = EvalGraphs(self.backend, max_graphs=self.options.max_graph_sets)
+        before = (graphs.eager_calls, graphs.pool_bytes)
+        out = graphs(layer.name, layer.module, layer.forward, args, kwargs)
+        stats = self.stats
+        stats.eager_calls += graphs.eager_calls - before[0]
+        stats.pool_bytes += graphs.pool_bytes - before[1]
+        stats.eval_graphs = graphs.captures
+        stats.eval_replays = graphs.replays
+        return out
 
     def _start_of_step(self, args: tuple, kwargs: dict) -> None:
         """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""

@@ -52,6 +52,13 @@ class GraphOptions:
             one graph launch per direction instead of one per layer, and no input copies between them.
             Every replay checks that each call is handed exactly the chained tensor and gradient; an
             intermediate output also used elsewhere raises ``SegmentError`` (then leave this off).
+        capture_eval: also graph calls of the selected layers made in eval mode without autograd
+            (validation, test, predict, the sanity check; :mod:`.eval_graphs`): forward-only graphs in their
+            own memory pool, keyed per layer by argument signature, autocast settings and inference mode,
+            so training graphs are never touched or recaptured. A key's first call runs eagerly, its second
+            is captured; outputs are returned as copies. At most ``max_graph_sets`` keys per layer; a layer
+            whose eval capture fails runs eagerly in eval (one warning). ``False`` (default): eval calls
+            run eagerly.
 
     Raises:
         ValueError: on an unknown backend or shape policy or a count below 1.
@@ -67,6 +74,7 @@ class GraphOptions:
     on_capture_error: str = "raise"
     capture_optimizer: bool = False
     segments: bool = False
+    capture_eval: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

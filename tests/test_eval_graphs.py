@@ -1,0 +1,198 @@
+"""``graphs.capture_eval``: forward-only graphs for graphed layers in eval mode (issue 6, item 3), against
+Lightning "ddp" on the same seed and data (eager graph backend on CPU, real graphs on the GPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from lightning.pytorch import Trainer, seed_everything
+
+import cg_lightning
+from cg_lightning.callbacks import CUDAGraphCallback
+from cg_lightning.graphs import GraphManager, GraphOptions
+from examples.data import TextDataModule
+from examples.gpt import GPTLightningModule
+from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff
+from tests.test_lifecycle import DATA, DEVICES, MODEL, N_LAYER, WARMUP, _EvalGPT, _Lifecycle
+
+
+def _fit(name, steps, callbacks=(), accelerator="cpu", backend="eager", capture_eval=True, **kw):
+    seed_everything(7, workers=True)
+    model = GPTLightningModule(**MODEL)
+    strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
+        graphs={"warmup_steps": WARMUP, "backend": backend, "capture_eval": capture_eval})
+    rec = GradRecorder()
+    trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[rec, *callbacks], **kw)
+    trainer.fit(model, datamodule=TextDataModule(**DATA))
+    return model, rec, trainer
+
+
+@pytest.mark.parametrize("accelerator,backend", DEVICES)
+def test_validation_and_sanity_check_replay_eval_graphs_like_ddp(accelerator, backend):
+    """val_check_interval=3, limit_val_batches=2, sanity check 2 batches, 7 steps: validation losses, training
+    losses and weights equal "ddp" (1e-5); each block gets one eval graph (first eval call eager, every later
+    one replayed), the training graphs are captured exactly once (eval never recaptures them) and every
+    training batch after a validation run starts with no gradient pending."""
+    steps = 7
+    kw = dict(val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=2)
+    ref_life, life = _Lifecycle(), _Lifecycle()
+    ref_model, ref, _ = _fit("ddp", steps, callbacks=[ref_life], accelerator=accelerator, **kw)
+    model, rec, trainer = _fit("cg", steps, callbacks=[life], accelerator=accelerator, backend=backend, **kw)
+    stats = trainer.strategy.last_graph_stats
+    val_batches = sum(r[1] for r in life.val_runs)
+    print(f"eval graphs: val loss diff {max_rel_diff(life.val_losses, ref_life.val_losses):.1e}, "
+          f"loss diff {max_rel_diff(rec.losses, ref.losses):.1e}, eval graphs {stats.eval_graphs}, "
+          f"eval replays {stats.eval_replays}, val batches {val_batches}")
+    assert [r[:2] for r in life.val_runs] == [r[:2] for r in ref_life.val_runs] and val_batches >= 6
+    assert max_rel_diff(life.val_losses, ref_life.val_losses) < 1e-5
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
+    assert stats.captures == 1 and stats.captured_runners == N_LAYER
+    assert stats.forward_replays == N_LAYER * (steps - WARMUP)
+    assert stats.eval_graphs == N_LAYER
+    assert stats.eval_replays == N_LAYER * (val_batches - 1)
+    assert stats.eager_calls == N_LAYER * (WARMUP + 1)  # warmup training steps + the first eval call
+    assert all(c[3] for c in life.clean_starts), life.clean_starts
+
+
+@pytest.mark.parametrize("accelerator,backend", DEVICES)
+def test_validate_test_predict_after_fit_replay_eval_graphs(accelerator, backend):
+    """After fit, ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` (3 batches each) under
+    capture_eval replay eval graphs (a manager for eval graphs only, removed at the end of each stage) and
+    give the numbers of the same calls under "ddp" (1e-5)."""
+    out = {}
+    for name in ("ddp", "cg"):
+        seed_everything(7, workers=True)
+        model = _EvalGPT(**MODEL)
+        data = TextDataModule(**DATA)
+        strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
+            graphs={"warmup_steps": WARMUP, "backend": backend, "capture_eval": True})
+        trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=4, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, limit_val_batches=3, limit_test_batches=3,
+                          limit_predict_batches=3)
+        trainer.fit(model, datamodule=data)
+        loader = data.val_dataloader()
+        stats = []
+        val = trainer.validate(model, datamodule=data, verbose=False)
+        stats.append(getattr(trainer.strategy, "last_graph_stats", None))
+        test = trainer.test(model, dataloaders=loader, verbose=False)
+        stats.append(getattr(trainer.strategy, "last_graph_stats", None))
+        pred = trainer.predict(model, dataloaders=loader)
+        stats.append(getattr(trainer.strategy, "last_graph_stats", None))
+        out[name] = (val, test, pred, stats, model)
+    (ref_val, ref_test, ref_pred, _, ref_model), (val, test, pred, stats, model) = out["ddp"], out["cg"]
+    assert all("forward" not in b.__dict__ for b in model.model.blocks)  # every stage's manager removed
+    for s in stats:
+        assert s.eval_graphs == N_LAYER and s.eval_replays == N_LAYER * 2 and s.captured_runners == 0
+    assert max_rel_diff(val[0]["val_loss"], ref_val[0]["val_loss"]) < 1e-5
+    assert max_rel_diff(test[0]["test_loss"], ref_test[0]["test_loss"]) < 1e-5
+    assert len(pred) == len(ref_pred) == 3
+    for a, b in zip(pred, ref_pred):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Block(nn.Module):
+    def __init__(self, sync: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.sync = sync
+
+    def forward(self, x):
+        y = torch.tanh(self.fc(x))
+        if self.sync and float(y.sum()) > 1e9:  # a host sync: not capturable
+            y = y * 0
+        return y
+
+
+class _Net(nn.Module):
+    def __init__(self, sync_last: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block(sync=sync_last)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_eval_graphs_keyed_by_shape_outputs_not_overwritten():
+    """Eval calls of two shapes, interleaved: one graph per layer and shape, every output equals the eager
+    forward, and an output kept from an earlier call is not overwritten by later replays (outputs are
+    copies of the static buffers)."""
+    torch.manual_seed(0)
+    net = _Net()
+    reference = _Net()
+    reference.load_state_dict(net.state_dict())
+    manager = GraphManager(net, GraphOptions(backend="eager", capture_eval=True, layers=["blocks.*"]),
+                           torch.device("cpu"))
+    net.eval()
+    xs = [torch.randn(4, 8), torch.randn(2, 8), torch.randn(4, 8), torch.randn(2, 8), torch.randn(4, 8)]
+    kept = []
+    with torch.no_grad():
+        for x in xs:
+            kept.append(net(x))
+        expected = [reference(x) for x in xs]
+    for k, e in zip(kept, expected):
+        assert torch.equal(k, e)
+    assert manager.stats.eval_graphs == 2 * 2  # 2 layers x 2 shapes
+    assert manager.stats.eval_replays == 2 * 3  # shape 4: calls 2, 3; shape 2: call 2 (the first of each is eager)
+    with torch.no_grad(), torch.inference_mode():
+        assert torch.equal(net(xs[0]), expected[0])  # inference mode: its own key
+    assert manager.stats.eval_graphs == 2 * 2  # not captured yet: first call of that key is eager
+    net.train()
+    out = net(xs[0])  # training mode: the eval graphs are not used
+    assert out.requires_grad and manager.stats.eval_replays == 6
+    manager.remove()
+
+
+def test_eval_capture_failure_warns_names_layer_and_runs_eagerly():
+    """A host sync inside a layer's forward: its eval capture fails with one warning naming the layer; that
+    layer runs eagerly in eval from then on, the other one replays; outputs equal eager."""
+    torch.manual_seed(0)
+    net = _Net(sync_last=True)
+    reference = _Net(sync_last=True)
+    reference.load_state_dict(net.state_dict())
+    manager = GraphManager(net, GraphOptions(backend="eager", capture_eval=True, layers=["blocks.*"]),
+                           torch.device("cpu"))
+    net.eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        net(x)
+        with pytest.warns(UserWarning, match=r"eval graph of layer 'blocks.1' could not be captured"):
+            second = net(x)
+        third = net(x)
+        expected = reference(x)
+    assert torch.equal(second, expected) and torch.equal(third, expected)
+    assert manager.stats.eval_graphs == 1 and manager.stats.eval_replays == 2  # blocks.0 only
+    manager.remove()
+
+
+def test_callback_sets_capture_eval_and_monitor_logs_eval_replays(tmp_path):
+    """``CUDAGraphCallback(capture_eval=True)`` turns eval graphs on for the strategy and keeps the setting in
+    checkpoints; ``GraphMonitor`` logs ``graphs/eval_replays`` through the CSV logger."""
+    import csv
+    import glob
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from cg_lightning.callbacks import GraphMonitor
+
+    cb = CUDAGraphCallback(capture_eval=True)
+    assert cb.overrides == {"capture_eval": True}
+    seed_everything(7, workers=True)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=6, val_check_interval=3, limit_val_batches=3,
+                      num_sanity_val_steps=0, log_every_n_steps=1, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, logger=CSVLogger(tmp_path),
+                      strategy=cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": "eager"}),
+                      callbacks=[cb, GraphMonitor(log_every_n_steps=1)])
+    trainer.fit(GPTLightningModule(**MODEL), datamodule=TextDataModule(**DATA))
+    assert trainer.strategy.graph_options.capture_eval is True
+    assert trainer.strategy.last_graph_stats.eval_replays == N_LAYER * (2 * 3 - 1)
+    assert cb.state_dict()["options"]["capture_eval"] is True
+    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)[0])))
+    logged = [float(r["graphs/eval_replays"]) for r in rows if r.get("graphs/eval_replays")]
+    assert logged and logged[-1] == N_LAYER * (3 - 1)  # after the first validation run (step 3)
