@@ -185,6 +185,8 @@ def main(argv=None) -> None:
                     help="cudagraph_ddp only: graphs.enabled=False (our DDP engine alone, every layer eager)")
     ap.add_argument("--deterministic", action="store_true",
                     help="Trainer(deterministic=True): deterministic kernels, to tell kernel noise from engine errors")
+    ap.add_argument("--sdpa", default=None, choices=["math", "flash", "efficient", "cudnn"],
+                    help="restrict scaled_dot_product_attention to one backend (kernel-choice diagnostics)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -229,11 +231,13 @@ def main(argv=None) -> None:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[rec, counts, bufs, norms], deterministic=a.deterministic or None,
     )
-    if a.deterministic:
-        # The fused attention kernels' backward passes accumulate with atomics; the math path does not.
+    sdpa = "math" if a.deterministic else a.sdpa  # fused attention backwards accumulate with atomics
+    if sdpa is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel(SDPBackend.MATH):
+        backend = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa]
+        with sdpa_kernel(backend):
             trainer.fit(model, datamodule=data)
     else:
         trainer.fit(model, datamodule=data)
