@@ -175,7 +175,9 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             yield None
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        """Nothing to prepare: the engine's hooks are always armed."""
+        """The engine's hooks are always armed; the graph manager sees the loss (``graphs.direct_grad_ready``)."""
+        if self.graph_manager is not None:
+            self.graph_manager.before_backward(closure_loss)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         engine = self.engine

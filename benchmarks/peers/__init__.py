@@ -40,6 +40,7 @@ def all_peers() -> Dict[str, Peer]:
         cudagraph_ddp.PEER,
         cudagraph_ddp.PEER_OPT,
         cudagraph_ddp.PEER_SEG,
+        cudagraph_ddp.PEER_DIRECT,
     ]
     return {p.name: p for p in peers}
 
@@ -53,4 +54,5 @@ PEER_NAMES = (
     "cudagraph_ddp",
     "cudagraph_ddp_opt",
     "cudagraph_ddp_seg",
+    "cudagraph_ddp_direct",
 )

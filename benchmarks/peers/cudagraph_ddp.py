@@ -1,7 +1,9 @@
-"""Peers ``cudagraph_ddp``, ``cudagraph_ddp_opt`` and ``cudagraph_ddp_seg``: Lightning with
-``cg_lightning.CUDAGraphDDPStrategy`` (per-layer graphs on the blocks); ``_opt`` also replays the optimizer
+"""Peers ``cudagraph_ddp``, ``cudagraph_ddp_opt``, ``cudagraph_ddp_seg`` and ``cudagraph_ddp_direct``: Lightning
+with ``cg_lightning.CUDAGraphDDPStrategy`` (per-layer graphs on the blocks); ``_opt`` also replays the optimizer
 step from a graph (``graphs.capture_optimizer=True``); ``_seg`` does that and captures the chained blocks as
-one segment (``graphs.segments=True``: one graph launch per direction)."""
+one segment (``graphs.segments=True``: one graph launch per direction); ``_direct`` does that and lets the
+replays report their own parameters ready (``graphs.direct_grad_ready=True``: no autograd edge,
+``AccumulateGrad`` node or hook per block parameter)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ from benchmarks.common import PeerResult, RunSettings, loss_value
 from benchmarks.peers import Peer
 
 
-def run(s: RunSettings, capture_optimizer: bool = False, segments: bool = False) -> PeerResult:
+def run(s: RunSettings, capture_optimizer: bool = False, segments: bool = False, direct: bool = False) -> PeerResult:
     import cg_lightning
     from benchmarks.peers._lightning import fit_timed
 
     from benchmarks.common import PROCESS_GROUP_TIMEOUT
 
     strategy = cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"warmup_steps": s.cg_warmup_steps, "capture_optimizer": capture_optimizer, "segments": segments},
+        graphs={"warmup_steps": s.cg_warmup_steps, "capture_optimizer": capture_optimizer, "segments": segments,
+                "direct_grad_ready": direct},
         timeout=PROCESS_GROUP_TIMEOUT,
     )
     timing, trainer = fit_timed(s, strategy)
@@ -71,3 +74,12 @@ def run_with_segments(s: RunSettings) -> PeerResult:
 PEER_SEG = Peer("cudagraph_ddp_seg", run_with_segments, needs_cuda=False,
                 description="as cudagraph_ddp_opt, plus graphs.segments=True: the chained blocks captured as one "
                             "forward and one backward graph")
+
+
+def run_direct(s: RunSettings) -> PeerResult:
+    return run(s, capture_optimizer=True, segments=True, direct=True)
+
+
+PEER_DIRECT = Peer("cudagraph_ddp_direct", run_direct, needs_cuda=False,
+                   description="as cudagraph_ddp_seg, plus graphs.direct_grad_ready=True: block parameters reported "
+                               "ready by their replay, without autograd edges")

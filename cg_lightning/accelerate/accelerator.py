@@ -183,6 +183,9 @@ class CUDAGraphAccelerator(Accelerator):
             GradSyncError: a parameter did not report its gradient on some rank (named in the message).
         """
         active = [engine for engine in self._graph_engines if engine.start_backward()]
+        for engine in active:
+            if engine.graph_manager is not None:
+                engine.graph_manager.before_backward(loss)
         super().backward(loss, **kwargs)
         for engine in active:
             engine.finish_backward(expose=self.sync_gradients)

@@ -38,7 +38,7 @@ def _graphed(runner: LayerGraphRunner, fallback: Callable, module: Optional[nn.M
                 + "\n  ".join(runner.signature.mismatches(args, kwargs))
             )
         tensors = runner.signature.tensor_leaves(args, kwargs)
-        flat = ReplayFunction.apply(runner, *tensors, *runner.edge_params)
+        flat = ReplayFunction.apply(runner, *tensors, *runner.apply_edges)
         return runner.output_structure(flat)
 
     call.runner = runner

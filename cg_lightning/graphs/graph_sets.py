@@ -46,6 +46,8 @@ class StepRecord:
 class GraphSet:
     lead: CallSignature
     runners: Dict[Tuple[int, int], object]  # (id(layer), call index) -> LayerGraphRunner
+    #: graphs.direct_grad_ready: id(param) -> runner, candidates still to confirm (direct_ready.py)
+    direct_pending: Dict[int, object] = field(default_factory=dict)
 
 
 def describe(signature: CallSignature) -> str:

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from . import direct_ready
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
 from .graph_sets import CallRecord, GraphSet, GraphSetCache, StepRecord, describe
@@ -68,6 +69,7 @@ class GraphStats:
     failed_layers: List[str] = field(default_factory=list)
     segments: int = 0  # chains of two or more calls captured as one forward and one backward graph
     eval_graphs: int = 0  # forward-only graphs of eval-mode calls (graphs.capture_eval)
+    direct_ready_params: int = 0  # parameters the replays report ready themselves (graphs.direct_grad_ready)
     eval_replays: int = 0
 
 
@@ -126,6 +128,7 @@ class GraphManager:
         self._recording: Optional[StepRecord] = None
         self._active: Optional[GraphSet] = None
         self._cache_full_warned = False
+        self._direct_switch: List[Tuple[LayerGraphRunner, List[nn.Parameter]]] = []  # applied at begin_step
 
     # ----------------------------------------------------------------- state
     @property
@@ -151,6 +154,10 @@ class GraphManager:
             self._start_step = global_step
         self.cache.limit = self.options.max_graph_sets
         self._global_step = global_step
+        for runner, params in self._direct_switch:  # confirmed during the last step's backward
+            runner.report_directly(params)
+            self.stats.direct_ready_params += len(params)
+        self._direct_switch = []
         self._calls = {}
         self._in_training_step = True
         self._mode = None
@@ -159,6 +166,18 @@ class GraphManager:
 
     def end_step(self) -> None:
         self._in_training_step = False
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Called with the loss before the backward of a training micro-batch (``graphs.direct_grad_ready``):
+        at the first backward of a step that replayed a graph set, confirm which candidate parameters only
+        their own replay reaches; they are reported by the replay from the next step on."""
+        graph_set = self._active
+        if self._mode != "replay" or graph_set is None or not graph_set.direct_pending:
+            return
+        if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+            found = direct_ready.confirmed(loss, graph_set.direct_pending)
+            self._direct_switch.extend(found.items())
+        graph_set.direct_pending = {}
 
     @property
     def capture_due(self) -> bool:
@@ -238,7 +257,7 @@ class GraphManager:
                 )
             return self._fallback(layer, index, runner, args, kwargs)
         tensors = runner.signature.tensor_leaves(args, kwargs)
-        flat = ReplayFunction.apply(runner, *tensors, *runner.edge_params)
+        flat = ReplayFunction.apply(runner, *tensors, *runner.apply_edges)
         self.stats.forward_replays += 1
         return runner.output_structure(flat)
 
@@ -343,6 +362,8 @@ class GraphManager:
         if not runners:
             return None
         graph_set = GraphSet(record.lead, {(id(c.layer), c.index): r for c, r in zip(calls, runners)})
+        if self.options.direct_grad_ready and self.accumulate_into_main_grad:
+            graph_set.direct_pending = direct_ready.candidates(runners)
         self.cache.sets.append(graph_set)
         self.stats.captures += 1
         self.stats.graph_sets = len(self.cache.sets)

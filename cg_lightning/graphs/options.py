@@ -52,6 +52,13 @@ class GraphOptions:
             one graph launch per direction instead of one per layer, and no input copies between them.
             Every replay checks that each call is handed exactly the chained tensor and gradient; an
             intermediate output also used elsewhere raises ``SegmentError`` (then leave this off).
+        direct_grad_ready: parameters that only one graphed call reaches (confirmed on the autograd graph
+            of the first step replaying a graph set, :mod:`.direct_ready`) lose their autograd edge to the
+            replay node; the replay reports them ready itself. Saves an autograd input, an
+            ``AccumulateGrad`` node and a Python hook per parameter and step. A later step that reaches such
+            a parameter from elsewhere (a weight used outside the graphed layers only on some steps) stops
+            with the DDP engine's error naming it: leave this off for such models. DDP strategy and
+            Accelerate integration only.
         capture_eval: also graph calls of the selected layers made in eval mode without autograd
             (validation, test, predict, the sanity check; :mod:`.eval_graphs`): forward-only graphs in their
             own memory pool, keyed per layer by argument signature, autocast settings and inference mode,
@@ -75,6 +82,7 @@ class GraphOptions:
     capture_optimizer: bool = False
     segments: bool = False
     capture_eval: bool = False
+    direct_grad_ready: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -9,7 +9,7 @@ from torch.autograd.function import once_differentiable
 class ReplayFunction(torch.autograd.Function):
     """Replays a :class:`~cg_lightning.graphs.runner.LayerGraphRunner`'s forward and backward graphs.
 
-    ``apply(runner, *input_tensors, *runner.edge_params)``. The parameters are extra inputs so that
+    ``apply(runner, *input_tensors, *runner.apply_edges)``. The parameters are extra inputs so that
     autograd keeps edges to their ``AccumulateGrad`` nodes: the hooks registered there (the DDP engine's)
     fire after every backward replay, as they do in eager execution. Forward returns the detached
     static outputs (views of graph memory, overwritten by the next forward replay).

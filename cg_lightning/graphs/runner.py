@@ -267,8 +267,39 @@ class LayerGraphRunner:
             self.clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False)
             for p in self.edge_params
         ]
+        self.apply_edges = list(self.edge_params)  # the parameters the replay node takes as inputs
+        self._edge_keep: Optional[List[bool]] = None  # per edge_params slot: still an input of the node
+        self.direct_params: List[torch.nn.Parameter] = []
+        self._direct_notifiers: List[Callable[[], None]] = []
         if not self.defer_static_grad_outputs:
             self.make_static_grad_outputs()
+
+    @property
+    def main_grad_params(self) -> List[torch.nn.Parameter]:
+        """Parameters whose gradient the captured backward adds into ``main_grad`` itself."""
+        return list(self._main_grad_params)
+
+    def report_directly(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """From the next replay on, ``params`` (edge parameters of this runner whose gradient goes into
+        ``main_grad`` in the graph) are no inputs of the replay node; the replay reports them ready itself
+        (:mod:`.direct_ready`, which chooses them).
+
+        Raises:
+            ValueError: for a parameter that is not such an edge parameter or has no grad-ready reporter.
+        """
+        chosen = set(map(id, params))
+        allowed = set(map(id, self.edge_params)) & set(map(id, self._main_grad_params))
+        if not chosen <= allowed:
+            raise ValueError(f"graphed {self.name!r}: only edge parameters accumulated into main_grad can be "
+                             "reported by the replay")
+        direct = [p for p in self.edge_params if id(p) in chosen]
+        notifiers = [grad_ready_reporter(p) for p in direct]
+        if any(n is None for n in notifiers):
+            raise ValueError(f"graphed {self.name!r}: a parameter without a grad-ready reporter (no DDP engine)")
+        self._edge_keep = [id(p) not in chosen for p in self.edge_params]
+        self.apply_edges = [p for p in self.edge_params if id(p) not in chosen]
+        self.direct_params = direct
+        self._direct_notifiers = notifiers
 
     def make_static_grad_outputs(self) -> None:
         """Allocate the buffers the backward graph reads its output gradients from. Outside any capture
@@ -455,9 +486,9 @@ class LayerGraphRunner:
             )
 
     def replay_backward(self, grad_outputs: Sequence[Optional[torch.Tensor]]) -> tuple:
-        """Returns gradients for the input tensors, then for ``edge_params``."""
+        """Returns gradients for the input tensors, then for ``apply_edges``."""
         if self._bwd is None:
-            return (None,) * (self.num_inputs + len(self.edge_params))
+            return (None,) * (self.num_inputs + len(self.apply_edges))
         if not getattr(self._bwd, "launcher", True):  # a segment member whose backward already ran
             check_segment_grad(self, grad_outputs)
         else:
@@ -479,7 +510,11 @@ class LayerGraphRunner:
         param_grads = [
             None if g is None else (g.clone() if clone else g) for g, clone in zip(grads[n_in:], self.clone_slots)
         ]
+        if self._edge_keep is not None:
+            param_grads = [g for g, keep in zip(param_grads, self._edge_keep) if keep]
         for notify in self.replay_plan:
+            notify()
+        for notify in self._direct_notifiers:  # where their AccumulateGrad nodes would have reported
             notify()
         return (*input_grads, *param_grads)
 

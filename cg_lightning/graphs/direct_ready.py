@@ -1,0 +1,84 @@
+"""Grad-ready reported by the replay itself for parameters only one graphed call reaches
+(``graphs.direct_grad_ready``).
+
+A replay node normally takes its layer's eagerly visible parameters as extra inputs, so that autograd runs
+their ``AccumulateGrad`` nodes (and the DDP engine's hooks there) after the backward replay, exactly as in
+eager execution. For a parameter whose gradient the captured backward already added into ``main_grad``,
+that edge carries nothing but the notification, at the price of one autograd input, one
+``AccumulateGrad`` node and one Python hook per parameter and step (the largest host cost left in the
+tiny-size profile of session 4, ``benchmarks/NOTES.md``).
+
+The replay can report such a parameter itself, but only if nothing else reaches its ``AccumulateGrad``:
+eager autograd sums every use of a parameter before its node runs and reports it once per outer
+backward, so a parameter also used outside the graphed layers (a tied head, a regulariser) or by two
+graphed calls (a block applied twice) must keep its edge, or its count would double. Candidates are
+therefore chosen from evidence, never guessed:
+
+1. at capture: edge parameters whose gradient goes into ``main_grad`` inside the graph and that are an
+   edge of exactly one runner of the graph set;
+2. at the first backward of a step replaying that set (the strategy hands the loss in): the autograd
+   graph from the loss is walked once, and a candidate is confirmed only if its ``AccumulateGrad`` node
+   has exactly one producer, the replay node of its own runner.
+
+Confirmed parameters lose their edge from the next step on; the replay reports them after its backward
+graph ran (after the recorded nested notifications, where their ``AccumulateGrad`` nodes would have run).
+A later step that reaches one of them from elsewhere makes its count exceed the golden count, which the
+DDP engine reports as an error naming the parameter (turn the option off for such a model).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List
+
+import torch
+
+
+def candidates(runners: Iterable) -> Dict[int, object]:
+    """``id(param) -> runner`` for the parameters that may be reported by their runner's replay.
+
+    ``runners``: the :class:`~.runner.LayerGraphRunner` of one graph set, after capture.
+    """
+    runners = list(runners)
+    edge_count: Dict[int, int] = {}
+    for r in runners:
+        for p in r.edge_params:
+            edge_count[id(p)] = edge_count.get(id(p), 0) + 1
+    out: Dict[int, object] = {}
+    for r in runners:
+        into_main_grad = set(map(id, r.main_grad_params))
+        for p in r.edge_params:
+            if id(p) in into_main_grad and edge_count[id(p)] == 1:
+                out[id(p)] = r
+    return out
+
+
+def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, List[torch.nn.Parameter]]:
+    """The candidates of ``pending`` whose only producer in ``loss``'s autograd graph is their runner's
+    replay node, grouped by runner. One walk over the graph (every node once)."""
+    producers: Dict[int, List[object]] = {}
+    params: Dict[int, torch.nn.Parameter] = {}
+    root = loss.grad_fn
+    if root is None:
+        return {}
+    seen = {id(root)}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:  # an AccumulateGrad node
+                if id(var) in pending:
+                    producers.setdefault(id(var), []).append(node)
+                    params[id(var)] = var
+                continue
+            if id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append(nxt)
+    out: Dict[object, List[torch.nn.Parameter]] = {}
+    for pid, nodes in producers.items():
+        runner = pending[pid]
+        if len(nodes) == 1 and getattr(nodes[0], "runner", None) is runner:
+            out.setdefault(runner, []).append(params[pid])
+    return out
