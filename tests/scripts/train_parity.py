@@ -181,6 +181,8 @@ def main(argv=None) -> None:
                          "bn: two Linear+BatchNorm1d blocks (graphed as 'blocks.*') on rank-dependent data")
     ap.add_argument("--no-broadcast-buffers", action="store_true",
                     help="cudagraph_ddp only: ddp.broadcast_buffers=False")
+    ap.add_argument("--direct-grad-ready", action="store_true", help="cudagraph_ddp only: graphs.direct_grad_ready=True")
+    ap.add_argument("--segments", action="store_true", help="cudagraph_ddp only: graphs.segments=True")
     ap.add_argument("--no-graphs", action="store_true",
                     help="cudagraph_ddp only: graphs.enabled=False (our DDP engine alone, every layer eager)")
     ap.add_argument("--deterministic", action="store_true",
@@ -205,6 +207,10 @@ def main(argv=None) -> None:
         model, data = SeedLightningModule(), SeedData()
     if a.strategy == "cudagraph_ddp":
         graphs = {"warmup_steps": a.warmup_steps, "backend": a.backend}
+        if a.direct_grad_ready:
+            graphs["direct_grad_ready"] = True
+        if a.segments:
+            graphs["segments"] = True
         if a.no_graphs:
             graphs = {"enabled": False}
         if a.model == "bn":
