@@ -65,6 +65,23 @@ def test_shape_policy_error_names_the_argument():
         train_in_process(strategy, steps=STEPS, data_kwargs=SMALL_LAST)
 
 
+def test_another_memory_layout_is_another_signature():
+    """A call with the captured shape but other strides (a transposed view) does not replay the graph: the
+    kernels were chosen for the captured layout (eager ran them on that layout, 6e-8 off). Size-1
+    dimensions do not count. The message names the strides."""
+    from cg_lightning.graphs.signature import CallSignature
+
+    x = torch.randn(8, 4).t()  # [4, 8], strides (1, 4)
+    sig = CallSignature((x,), {})
+    assert sig.matches((x.clone(),), {})  # clone keeps the layout
+    assert not sig.matches((x.contiguous(),), {})
+    assert sig.mismatches((x.contiguous(),), {}) == [
+        "args[0]: captured Tensor[4, 8] float32 on cpu, strides [1, 4], got Tensor[4, 8] float32 on cpu"]
+    one = CallSignature((torch.randn(1, 8),), {})  # strides (8, 1)
+    assert one.matches((torch.randn(8, 1).t(),), {})  # strides (1, 1): only the size-1 dimension differs
+    assert not one.matches((torch.randn(8, 2)[:, 0].unsqueeze(0),), {})  # stride 2 along the length-8 dim
+
+
 @pytest.mark.parametrize("backend,device", [
     pytest.param("eager", "cpu", id="eager-cpu"),
     pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),

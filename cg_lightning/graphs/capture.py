@@ -36,7 +36,7 @@ def capture_in_order(
     """
     real = [getattr(r, "runner", r) for r in runners]  # set_capture wraps runners to know which one failed
     groups = segments if segments is not None else [[i] for i in range(len(runners))]
-    with _preserved_training_state(model, layers, restore_grads), uncached_autocast():
+    with preserved_training_state(model, layers, restore_grads), uncached_autocast():
         for runner in runners:
             with runner.backend.warmup_stream():
                 runner.warmup()
@@ -87,7 +87,7 @@ def _capture_segment_backward(wrapped: Sequence, members: Sequence) -> None:
 
 
 @contextlib.contextmanager
-def _preserved_training_state(model: nn.Module, layers: List[nn.Module], restore_grads: bool = True):
+def preserved_training_state(model: nn.Module, layers: List[nn.Module], restore_grads: bool = True):
     """Restore ``main_grad``, ``param.grad``, layer buffers and RNG states after warmup and capture."""
     params = list(model.parameters())
     main_grads = [p.main_grad.clone() if hasattr(p, "main_grad") else None for p in params]

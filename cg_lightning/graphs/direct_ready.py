@@ -15,7 +15,8 @@ graphed calls (a block applied twice) must keep its edge, or its count would dou
 therefore chosen from evidence, never guessed:
 
 1. at capture: edge parameters whose gradient goes into ``main_grad`` inside the graph and that are an
-   edge of exactly one runner of the graph set;
+   edge of exactly one runner of the graph set, a runner with an input that requires grad (without one,
+   its parameter edges are what makes autograd run the replay's backward at all: an embedding);
 2. at the first backward of a step replaying that set (the strategy hands the loss in): the autograd
    graph from the loss is walked once, and a candidate is confirmed only if its ``AccumulateGrad`` node
    has exactly one producer, the replay node of its own runner.
@@ -45,6 +46,9 @@ def candidates(runners: Iterable) -> Dict[int, object]:
             edge_count[id(p)] = edge_count.get(id(p), 0) + 1
     out: Dict[int, object] = {}
     for r in runners:
+        if not any(t.requires_grad for t in r.static_inputs):
+            # only its parameter edges make autograd run this replay's backward (an embedding: integer ids in)
+            continue
         into_main_grad = set(map(id, r.main_grad_params))
         for p in r.edge_params:
             if id(p) in into_main_grad and edge_count[id(p)] == 1:

@@ -10,8 +10,10 @@ Per key: the first call runs eagerly (it is the warmup, on the capture stream fo
 captured and every later one copies its tensor arguments into the static inputs and replays. Outputs are
 cloned out of the static buffers by default, so a tensor a ``validation_step`` keeps (predictions
 collected over an epoch) is not overwritten by the next replay (seed 4 of DESIGN.md, applied to outputs).
-A layer whose capture fails (a host sync, a submodule hook, non-tensor outputs) runs eagerly in eval from
-then on, with one warning naming it: evaluation graphs are an optimisation and never stop a run.
+A layer whose capture fails (a host sync, a submodule hook, non-tensor outputs), that modifies an input in
+place (seen in its warmup call) or that gets a submodule hook after capture (checked at every replay) runs
+eagerly in eval from then on, with one warning naming it: evaluation graphs are an optimisation and never
+stop a run. Capture restores RNG states and the layer's buffers, so the call's replay is its only run.
 Each layer keeps at most ``max_graphs`` keys; calls with further keys run eagerly.
 """
 
@@ -25,7 +27,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .autocast import autocast_as, autocast_state
-from .host_sync import hooks_inside, refuse_host_sync
+from .capture import preserved_training_state
+from .host_sync import hook_dicts, hooks_inside, refuse_host_sync
 from .signature import CallSignature
 
 
@@ -38,6 +41,7 @@ class _EvalEntry:
     graph: object = None  # backends.CapturedGraph once captured
     static_inputs: List[torch.Tensor] = field(default_factory=list)
     out_spec: object = None
+    hook_dicts: List[dict] = field(default_factory=list)  # re-checked at every replay (host_sync.hook_dicts)
 
     def matches(self, args: tuple, kwargs: dict, autocast: tuple, inference: bool) -> bool:
         return self.inference == inference and self.autocast == autocast and self.signature.matches(args, kwargs)
@@ -99,20 +103,34 @@ class EvalGraphs:
         entry.calls += 1
         if entry.graph is None:
             if entry.calls == 1:  # warmup: eager, on the capture stream
+                tensors = entry.signature.tensor_leaves(args, kwargs)
+                before = [_snapshot(t) for t in tensors]
                 with self.backend.warmup_stream():
-                    return self._eager(forward, args, kwargs)
+                    out = self._eager(forward, args, kwargs)
+                if any(_changed(t, b) for t, b in zip(tensors, before)):
+                    self._fail(state, name, "it modifies an input in place, which a replay would do only to its "
+                                            "static copy, not to the caller's tensor")
+                return out
             try:
                 self._capture(name, module, forward, entry, args, kwargs)
             except Exception as exc:  # noqa: BLE001 - any capture failure: this layer stays eager in eval
                 text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                state.failure = text
-                state.entries.clear()
-                warnings.warn(f"cg_lightning: eval graph of layer {name!r} could not be captured ({text}); the "
-                              "layer runs eagerly in eval mode from now on.", stacklevel=3)
+                self._fail(state, name, text)
                 return self._eager(forward, args, kwargs)
+        if any(entry.hook_dicts):
+            self._fail(state, name, f"{', '.join(hooks_inside(module))} added after its capture would not run "
+                                    "in a replay")
+            return self._eager(forward, args, kwargs)
         return self._replay(entry, args, kwargs)
 
     # ----------------------------------------------------------------- internals
+    @staticmethod
+    def _fail(state: _EvalLayer, name: str, why: str) -> None:
+        state.failure = why
+        state.entries.clear()
+        warnings.warn(f"cg_lightning: eval graph of layer {name!r} could not be captured or replayed ({why}); "
+                      "the layer runs eagerly in eval mode from now on.", stacklevel=4)
+
     def _eager(self, forward: Callable, args: tuple, kwargs: dict):
         self.eager_calls += 1
         return forward(*args, **kwargs)
@@ -136,8 +154,11 @@ class EvalGraphs:
         if self.pool is None:
             self.pool = self.backend.new_pool()
         before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-        with refuse_host_sync():
+        # the capture must change nothing: RNG states and the layer's buffers as before (the eager backend
+        # runs the body once at capture; the replay that follows is this call's only run)
+        with preserved_training_state(module, [module], restore_grads=False), refuse_host_sync():
             entry.graph = self.backend.capture(body, self.pool)
+        entry.hook_dicts = hook_dicts(module)
         if torch.cuda.is_available():
             self.pool_bytes += max(0, torch.cuda.memory_allocated() - before)
         self.captures += 1
@@ -158,3 +179,17 @@ class EvalGraphs:
         """Drop every eval graph (the pool is freed once nothing refers to it)."""
         self._layers.clear()
         self.pool = None
+
+
+def _snapshot(t: torch.Tensor):
+    """What tells whether ``t`` is modified in place: its version counter, or for an inference tensor (no
+    counter) a copy."""
+    return t.clone() if t.is_inference() else t._version
+
+
+def _changed(t: torch.Tensor, before) -> bool:
+    if isinstance(before, torch.Tensor):
+        return not torch.equal(t, before) and not (t.is_floating_point() and torch.isnan(before).any()
+                                                   and torch.equal(torch.nan_to_num(t), torch.nan_to_num(before)))
+    return t._version != before
+

@@ -111,6 +111,17 @@ class refuse_host_sync:
         return False
 
 
+def hook_dicts(layer: torch.nn.Module) -> List[dict]:
+    """The hook dictionaries :func:`hooks_inside` reads (submodules' and the global ones), for a cheap
+    ``any(dicts)`` re-check after capture: a hook added later lands in one of these same dictionaries."""
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    found = [getattr(m, k) for name, m in layer.named_modules() if m is not layer for k in kinds if hasattr(m, k)]
+    g = torch.nn.modules.module
+    found += [getattr(g, a) for a in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                      "_global_backward_pre_hooks", "_global_backward_hooks") if hasattr(g, a)]
+    return found
+
+
 def hooks_inside(layer: torch.nn.Module) -> List[str]:
     """Descriptions of the module hooks that would run only at capture: on submodules, or global ones."""
     found = []

@@ -247,12 +247,12 @@ class GraphManager:
             # the segment's first call ran eagerly in this pass (its arguments differed): so does the rest
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
-        if runner is None or not runner.signature.matches(args, kwargs):
+        if runner is None or not runner.signature.matches(args, kwargs) or not runner.autocast_matches():
             if follows:
                 raise SegmentError(
                     f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran "
                     "for this pass, but it was called with other arguments than captured:\n  "
-                    + "\n  ".join(runner.signature.mismatches(args, kwargs))
+                    + "\n  ".join(runner.mismatches(args, kwargs))
                     + "\nA segment replays all or none of its layers. Set graphs.segments=false for this model."
                 )
             return self._fallback(layer, index, runner, args, kwargs)
@@ -320,7 +320,7 @@ class GraphManager:
             why = [f"call #{index} of this layer in a step was never captured (captured calls: "
                    f"{sum(1 for k in self._active.runners if k[0] == id(layer))})"]
         else:
-            why = runner.signature.mismatches(args, kwargs)
+            why = runner.mismatches(args, kwargs)
         if self.options.shape_policy == "error":
             raise GraphSignatureError(
                 f"layer {layer.name!r} was called with arguments its graph was not captured for:\n  "

@@ -46,7 +46,7 @@ from typing import Callable, List, Optional, Sequence, Set
 import torch
 
 from .buffer_reuse import check_shared_inputs
-from .autocast import autocast_as, autocast_off
+from .autocast import autocast_as, autocast_off, autocast_state
 from .segments import check_segment_grad
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
@@ -153,6 +153,20 @@ class LayerGraphRunner:
         self.recorded_occurrences: List[torch.nn.Parameter] = []
         self._frozen_at_capture: List[torch.nn.Parameter] = []
         self.forward_generation = 0
+
+    # ----------------------------------------------------------------- matching
+    def autocast_matches(self) -> bool:
+        """The autocast settings in force now are the ones this call was captured under (a graph replays
+        the kernels of its capture: a block whose autocast is switched on or off later must not replay)."""
+        return self.autocast is None or autocast_state() == self.autocast
+
+    def mismatches(self, args: tuple, kwargs: dict) -> List[str]:
+        """How a call differs from the captured one: argument lines (``CallSignature.mismatches``) and the
+        autocast settings."""
+        out = self.signature.mismatches(args, kwargs)
+        if not self.autocast_matches():
+            out.append(f"autocast: captured {_describe_autocast(self.autocast)}, got {_describe_autocast(autocast_state())}")
+        return out
 
     # ----------------------------------------------------------------- building
     def _run_module(self, inputs: Sequence[torch.Tensor]):
@@ -522,6 +536,11 @@ class LayerGraphRunner:
         if self._single_output:
             return flat[0]
         return pytree.tree_unflatten(list(flat), self._out_spec)
+
+
+def _describe_autocast(state: tuple) -> str:
+    on = [f"{dt} {str(dtype).replace('torch.', '')}" for dt, enabled, dtype in state if enabled]
+    return "enabled for " + ", ".join(on) if on else "disabled"
 
 
 def _saved_tensor_hooks_active() -> bool:
