@@ -5,10 +5,11 @@ as on a GPU; the cuda test checks real graphs."""
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 
 import cg_lightning
 from cg_lightning.ddp import GradSyncError
+from cg_lightning.graphs import GraphCaptureError
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
 from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff, train_in_process
@@ -122,8 +123,10 @@ def test_parameter_also_used_outside_keeps_its_edge():
 
 def test_parameter_used_outside_only_later_is_a_named_error():
     """The same weight used by the loss only at step 5 (after the switch at step 3): its count exceeds the
-    golden count and the engine raises, naming it, instead of reducing a bucket before that gradient."""
-    with pytest.raises(GradSyncError, match=r"model\.blocks\.1\.fc_out\.weight \(ready 2 times, expected 1\)"):
+    golden count and the engine raises, naming it and the option, instead of reducing a bucket before that
+    gradient."""
+    with pytest.raises(GradSyncError, match=r"(?s)model\.blocks\.1\.fc_out\.weight \(ready 2 times, expected 1\)"
+                                            r".*graphs\.direct_grad_ready=false"):
         _fit_shared(_cg(), only_at_step=5)
     ref_model, ref = _fit_shared("ddp", only_at_step=5)
     model, rec = _fit_shared(_cg(direct=False), only_at_step=5)  # with edges the same model trains like ddp
@@ -147,3 +150,39 @@ def test_two_processes_gloo_direct_grad_ready_equals_ddp(tmp_path):
     assert max_rel_diff(cg["losses"], ref["losses"]) < 1e-5
     assert state_rel_diff(cg["state"], ref["state"]) < 1e-5
     assert all(set(c.values()) == {1} for c in cg["ready_counts"]) and len(cg["ready_counts"]) == 12
+
+
+def test_candidates_wait_for_a_step_whose_calls_replayed():
+    """The first step after capture runs its calls eagerly (a smaller batch there, shape_policy="eager"): the
+    candidates stay pending and are confirmed at the next step that replays, instead of being dropped."""
+    kw = dict(steps=9, model_kwargs=dict(n_layer=2, d_model=32, n_head=2, block_size=32),
+              data_kwargs=dict(max_bytes=400, drop_last=False))  # batch sizes 4 4 2 | 4 4 2 | ...
+    ref_model, ref, _ = train_in_process("ddp", **kw)
+    strategy = _cg(shape_policy="eager")  # capture at step 2, the 2-sample batch
+    with pytest.warns(UserWarning, match="runs eagerly for a call"):
+        model, rec, _ = train_in_process(strategy, **kw)
+    stats = strategy.last_graph_stats
+    assert stats.fallback_calls > 0
+    assert stats.direct_ready_params == len(_block_params(model, 0)) + len(_block_params(model, 1))
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-6
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-6
+
+
+class _FreezeAt(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 5:
+            pl_module.model.blocks[1].fc_out.weight.requires_grad_(False)
+
+
+def test_freezing_a_directly_reported_parameter_later_is_a_named_error():
+    """Freezing a parameter after its replay took over reporting it: on a GPU nothing else would notice (no
+    autograd edge goes silent) while the graph keeps adding into its main_grad, so the next replay refuses,
+    naming the layer, the parameter and the option."""
+    kw = dict(steps=8, model_kwargs=dict(n_layer=2, d_model=32, n_head=2, block_size=16))
+    seed_everything(7, workers=True)
+    model = GPTLightningModule(**kw["model_kwargs"], lr=3e-3)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=_cg(), max_steps=8, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[_FreezeAt()])
+    with pytest.raises(GraphCaptureError, match=r"'model\.blocks\.1'.*'fc_out\.weight'.*frozen.*direct_grad_ready"):
+        trainer.fit(model, datamodule=TextDataModule(block_size=16, batch_size=4, max_bytes=300_000))

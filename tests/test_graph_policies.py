@@ -76,7 +76,10 @@ def test_another_memory_layout_is_another_signature():
     assert sig.matches((x.clone(),), {})  # clone keeps the layout
     assert not sig.matches((x.contiguous(),), {})
     assert sig.mismatches((x.contiguous(),), {}) == [
-        "args[0]: captured Tensor[4, 8] float32 on cpu, strides [1, 4], got Tensor[4, 8] float32 on cpu"]
+        "args[0]: another memory layout, same Tensor[4, 8] float32 on cpu: captured strides [1, 4], got [8, 1] "
+        "(dims longer than 1); pass the same view every step, e.g. .contiguous()"]
+    assert CallSignature((x,), {}).mismatches((x[:2],), {}) == [  # other shape: the plain form
+        "args[0]: captured Tensor[4, 8] float32 on cpu, strides [1, 4], got Tensor[2, 8] float32 on cpu, strides [1, 4]"]
     one = CallSignature((torch.randn(1, 8),), {})  # strides (8, 1)
     assert one.matches((torch.randn(8, 1).t(),), {})  # strides (1, 1): only the size-1 dimension differs
     assert not one.matches((torch.randn(8, 2)[:, 0].unsqueeze(0),), {})  # stride 2 along the length-8 dim

@@ -35,7 +35,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _CAUSES = (
     "Usual causes: a parameter used only inside activation recomputation that the graph did not "
     "discover, a data-dependent branch that skips a module on this step or this rank, or a parameter "
-    "that takes no part in the loss (freeze it with requires_grad=False before training)."
+    "that takes no part in the loss (freeze it with requires_grad=False before training). A count above "
+    "the expected one with graphs.direct_grad_ready on: a graphed layer's parameter also used outside its "
+    "graph, or a graphed layer called more often than when it was captured, on this step; set "
+    "graphs.direct_grad_ready=false for such a model."
 )
 
 

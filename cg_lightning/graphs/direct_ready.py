@@ -17,12 +17,15 @@ therefore chosen from evidence, never guessed:
 1. at capture: edge parameters whose gradient goes into ``main_grad`` inside the graph and that are an
    edge of exactly one runner of the graph set, a runner with an input that requires grad (without one,
    its parameter edges are what makes autograd run the replay's backward at all: an embedding);
-2. at the first backward of a step replaying that set (the strategy hands the loss in): the autograd
-   graph from the loss is walked once, and a candidate is confirmed only if its ``AccumulateGrad`` node
-   has exactly one producer, the replay node of its own runner.
+2. at the first backward in which its runner replayed (the strategy hands the loss in; a step whose call
+   ran eagerly leaves it pending): the autograd graph from the loss is walked once, and a candidate is
+   confirmed only if its ``AccumulateGrad`` node has exactly one producer, the replay node of its own
+   runner.
 
 Confirmed parameters lose their edge from the next step on; the replay reports them after its backward
 graph ran (after the recorded nested notifications, where their ``AccumulateGrad`` nodes would have run).
+Freezing one of them afterwards is refused at the next replay (the graph would keep writing its
+``main_grad``).
 A later step that reaches one of them from elsewhere makes its count exceed the golden count, which the
 DDP engine reports as an error naming the parameter (turn the option off for such a model).
 """
@@ -58,7 +61,8 @@ def candidates(runners: Iterable) -> Dict[int, object]:
 
 def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, List[torch.nn.Parameter]]:
     """The candidates of ``pending`` whose only producer in ``loss``'s autograd graph is their runner's
-    replay node, grouped by runner. One walk over the graph (every node once)."""
+    replay node, grouped by runner. One walk over the graph (every node once). Call it only for candidates
+    whose runner replayed in this step: a runner whose call ran eagerly leaves no replay node to find."""
     producers: Dict[int, List[object]] = {}
     params: Dict[int, torch.nn.Parameter] = {}
     root = loss.grad_fn

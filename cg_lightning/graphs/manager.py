@@ -129,6 +129,7 @@ class GraphManager:
         self._active: Optional[GraphSet] = None
         self._cache_full_warned = False
         self._direct_switch: List[Tuple[LayerGraphRunner, List[nn.Parameter]]] = []  # applied at begin_step
+        self._replayed: set = set()
 
     # ----------------------------------------------------------------- state
     @property
@@ -158,6 +159,7 @@ class GraphManager:
             runner.report_directly(params)
             self.stats.direct_ready_params += len(params)
         self._direct_switch = []
+        self._replayed = set()  # id(runner) replayed in this step, while a set has direct-ready candidates
         self._calls = {}
         self._in_training_step = True
         self._mode = None
@@ -172,12 +174,14 @@ class GraphManager:
         at the first backward of a step that replayed a graph set, confirm which candidate parameters only
         their own replay reaches; they are reported by the replay from the next step on."""
         graph_set = self._active
-        if self._mode != "replay" or graph_set is None or not graph_set.direct_pending:
+        if self._mode != "replay" or graph_set is None or not graph_set.direct_pending or not self._replayed:
             return
-        if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
-            found = direct_ready.confirmed(loss, graph_set.direct_pending)
-            self._direct_switch.extend(found.items())
-        graph_set.direct_pending = {}
+        pending = {pid: r for pid, r in graph_set.direct_pending.items() if id(r) in self._replayed}
+        if not pending or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            return
+        self._direct_switch.extend(direct_ready.confirmed(loss, pending).items())
+        # decided, one way or the other; candidates of runners that ran eagerly this step stay pending
+        graph_set.direct_pending = {pid: r for pid, r in graph_set.direct_pending.items() if pid not in pending}
 
     @property
     def capture_due(self) -> bool:
@@ -259,6 +263,8 @@ class GraphManager:
         tensors = runner.signature.tensor_leaves(args, kwargs)
         flat = ReplayFunction.apply(runner, *tensors, *runner.apply_edges)
         self.stats.forward_replays += 1
+        if self._active.direct_pending:
+            self._replayed.add(id(runner))
         return runner.output_structure(flat)
 
     def _eval_call(self, layer: _Layer, args: tuple, kwargs: dict):
@@ -325,8 +331,8 @@ class GraphManager:
             raise GraphSignatureError(
                 f"layer {layer.name!r} was called with arguments its graph was not captured for:\n  "
                 + "\n  ".join(why)
-                + "\nUse fixed shapes (e.g. drop_last=True), graphs.shape_policy='eager' to run such calls eagerly, "
-                "or 'recapture' to capture graphs for them."
+                + "\nUse fixed shapes and layouts (e.g. drop_last=True, .contiguous() arguments), "
+                "graphs.shape_policy='eager' to run such calls eagerly, or 'recapture' to capture graphs for them."
             )
         if not layer.warned:
             layer.warned = True

@@ -340,6 +340,19 @@ class LayerGraphRunner:
                 "layer, pass them as arguments, or leave the layer out of graphs.layers."
             )
 
+    def _refuse_frozen_direct(self) -> None:
+        """A parameter the replay reports itself (graphs.direct_grad_ready) frozen after the switch: nothing
+        else would notice (no autograd edge is left to go silent) while the graph keeps adding into its
+        ``main_grad``, so the optimizer would still move it."""
+        frozen = [p for p in self.direct_params if not p.requires_grad]
+        names = [next((n for n, q in self.module.named_parameters() if q is p), "?") for p in frozen]
+        raise GraphCaptureError(
+            f"layer {self.name!r}: parameter(s) {', '.join(map(repr, names))} were frozen (requires_grad=False) "
+            "after graphs.direct_grad_ready let the layer's replay report them; its graph would keep adding "
+            "their gradients into main_grad. Freeze parameters before training starts, or set "
+            "graphs.direct_grad_ready=false."
+        )
+
     def _check_still_frozen(self) -> None:
         """A parameter frozen at capture and trainable now would silently get no gradient from the graphs.
 
@@ -468,6 +481,8 @@ class LayerGraphRunner:
             segment.consume(self)
         if self._frozen_at_capture:
             self._check_still_frozen()
+        if self.direct_params and not all(map(_requires_grad, self.direct_params)):
+            self._refuse_frozen_direct()
         self.forward_generation += 1
         with torch.no_grad():
             for static, x in zip(self.static_inputs, inputs):
@@ -536,6 +551,10 @@ class LayerGraphRunner:
         if self._single_output:
             return flat[0]
         return pytree.tree_unflatten(list(flat), self._out_spec)
+
+
+def _requires_grad(p: torch.Tensor) -> bool:
+    return p.requires_grad
 
 
 def _describe_autocast(state: tuple) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
 
@@ -106,7 +107,11 @@ class CallSignature:
         for i, (x, meta, is_t) in enumerate(zip(leaves, self.metas, self.is_tensor)):
             if is_t:
                 got = TensorMeta.of(x) if isinstance(x, torch.Tensor) else x
-                if got != meta:
+                if isinstance(got, TensorMeta) and got != meta and got == dataclasses.replace(meta, strides=got.strides):
+                    out.append(f"{self.names[i]}: another memory layout, same {got}: captured strides "
+                               f"{list(meta.strides)}, got {list(got.strides)} (dims longer than 1); pass the "
+                               "same view every step, e.g. .contiguous()")
+                elif got != meta:
                     out.append(f"{self.names[i]}: captured {meta}, got {got}")
             elif isinstance(x, torch.Tensor) or not _same_value(x, meta):
                 out.append(f"{self.names[i]}: captured {meta!r}, got {x!r}")
