@@ -289,6 +289,29 @@ def test_unprepared_optimizer_matches_eager(fresh_accelerate_state):
     assert state_rel_diff(cg_state, ref_state) < 1e-6
 
 
+def test_eval_graphs_in_an_accelerate_script(fresh_accelerate_state):
+    """graphs.capture_eval in an Accelerate script: after training, ``model.eval()`` and calls under
+    ``torch.no_grad`` replay forward-only graphs of the blocks (first call per shape eager), with outputs
+    equal to the same model's eager forward; training graphs untouched."""
+    from cg_lightning.accelerate import CUDAGraphAccelerator
+
+    accelerator = CUDAGraphAccelerator(cpu=True, graphs={"warmup_steps": 2, "capture_eval": True})
+    _, _, engine = _train_with_raw_optimizer(accelerator, 4)
+    module = accelerator.unwrap_model(engine)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    engine.eval()
+    with torch.no_grad():
+        outs = [engine(x) for _ in range(3)]
+    stats = engine.graph_stats
+    engine.graph_manager.remove()  # the blocks' own forwards back: the eager reference
+    with torch.no_grad():
+        want = module(x)
+    for o in outs:
+        assert torch.equal(o, want)
+    assert stats.eval_graphs == 2 and stats.eval_replays == 2 * 2
+    assert stats.captured_runners == 2 and stats.forward_replays == 2 * (4 - 2)
+
+
 def test_torch_compile_refused_at_prepare(fresh_accelerate_state):
     from cg_lightning.accelerate import CUDAGraphAccelerator
 
