@@ -85,7 +85,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
     ap.add_argument("--peer", default="cudagraph_ddp", choices=["cudagraph_ddp", "cudagraph_ddp_opt", "cudagraph_ddp_seg",
-                                                           "cudagraph_ddp_direct", "lightning_ddp"])
+                                                           "cudagraph_ddp_direct", "cudagraph_ddp_glue",
+                                                           "lightning_ddp"])
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=35)
@@ -110,8 +111,12 @@ def main(argv=None) -> None:
             import cg_lightning
 
             graphs = {"warmup_steps": 2, "capture_optimizer": a.peer != "cudagraph_ddp",
-                      "segments": a.peer in ("cudagraph_ddp_seg", "cudagraph_ddp_direct"),
-                      "direct_grad_ready": a.peer == "cudagraph_ddp_direct"}
+                      "segments": a.peer in ("cudagraph_ddp_seg", "cudagraph_ddp_direct", "cudagraph_ddp_glue"),
+                      "direct_grad_ready": a.peer in ("cudagraph_ddp_direct", "cudagraph_ddp_glue")}
+            if a.peer == "cudagraph_ddp_glue":
+                from benchmarks.peers.cudagraph_ddp import GLUE_LAYERS
+
+                graphs["layers"] = GLUE_LAYERS
             lit.fit_timed(s, cg_lightning.CUDAGraphDDPStrategy(graphs=graphs))
         else:
             lit.fit_timed(s, "ddp")

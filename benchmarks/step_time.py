@@ -16,7 +16,8 @@ Peers (same GPT, random-token data, bf16 autocast over fp32 weights, AdamW(fused
 * ``cudagraph_ddp``: Lightning with this project's strategy; ``cudagraph_ddp_opt``: the same with the optimizer step
   replayed from a graph (``graphs.capture_optimizer=True``); ``cudagraph_ddp_seg``: that plus the chained blocks
   captured as one segment (``graphs.segments=True``); ``cudagraph_ddp_direct``: that plus
-  ``graphs.direct_grad_ready=True`` (block parameters reported ready by their replay, no autograd edges).
+  ``graphs.direct_grad_ready=True`` (block parameters reported ready by their replay, no autograd edges);
+  ``cudagraph_ddp_glue``: that plus the embeddings, final norm and head graphed (``graphs.layers``).
 
 Each peer runs ``--warmup`` steps, then ``--repeats`` windows of ``--steps`` steps; the device is synchronized at
 window boundaries only. Reported per size and peer: median ms/step, min/max over the windows, ratios to

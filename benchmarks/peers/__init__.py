@@ -41,6 +41,7 @@ def all_peers() -> Dict[str, Peer]:
         cudagraph_ddp.PEER_OPT,
         cudagraph_ddp.PEER_SEG,
         cudagraph_ddp.PEER_DIRECT,
+        cudagraph_ddp.PEER_GLUE,
     ]
     return {p.name: p for p in peers}
 
@@ -55,4 +56,5 @@ PEER_NAMES = (
     "cudagraph_ddp_opt",
     "cudagraph_ddp_seg",
     "cudagraph_ddp_direct",
+    "cudagraph_ddp_glue",
 )

@@ -3,7 +3,8 @@ with ``cg_lightning.CUDAGraphDDPStrategy`` (per-layer graphs on the blocks); ``_
 step from a graph (``graphs.capture_optimizer=True``); ``_seg`` does that and captures the chained blocks as
 one segment (``graphs.segments=True``: one graph launch per direction); ``_direct`` does that and lets the
 replays report their own parameters ready (``graphs.direct_grad_ready=True``: no autograd edge,
-``AccumulateGrad`` node or hook per block parameter)."""
+``AccumulateGrad`` node or hook per block parameter); ``_glue`` does that with the embeddings, final norm
+and head graphed too (``graphs.layers``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from benchmarks.common import PeerResult, RunSettings, loss_value
 from benchmarks.peers import Peer
 
 
-def run(s: RunSettings, capture_optimizer: bool = False, segments: bool = False, direct: bool = False) -> PeerResult:
+GLUE_LAYERS = ["model.tok_emb", "model.pos_emb", "model.blocks.*", "model.ln_f", "model.lm_head"]
+
+
+def run(s: RunSettings, capture_optimizer: bool = False, segments: bool = False, direct: bool = False,
+        layers=None) -> PeerResult:
     import cg_lightning
     from benchmarks.peers._lightning import fit_timed
 
@@ -21,7 +26,7 @@ def run(s: RunSettings, capture_optimizer: bool = False, segments: bool = False,
 
     strategy = cg_lightning.CUDAGraphDDPStrategy(
         graphs={"warmup_steps": s.cg_warmup_steps, "capture_optimizer": capture_optimizer, "segments": segments,
-                "direct_grad_ready": direct},
+                "direct_grad_ready": direct, "layers": layers},
         timeout=PROCESS_GROUP_TIMEOUT,
     )
     timing, trainer = fit_timed(s, strategy)
@@ -83,3 +88,12 @@ def run_direct(s: RunSettings) -> PeerResult:
 PEER_DIRECT = Peer("cudagraph_ddp_direct", run_direct, needs_cuda=False,
                    description="as cudagraph_ddp_seg, plus graphs.direct_grad_ready=True: block parameters reported "
                                "ready by their replay, without autograd edges")
+
+
+def run_glue(s: RunSettings) -> PeerResult:
+    return run(s, capture_optimizer=True, segments=True, direct=True, layers=GLUE_LAYERS)
+
+
+PEER_GLUE = Peer("cudagraph_ddp_glue", run_glue, needs_cuda=False,
+                 description="as cudagraph_ddp_direct, plus the glue graphed too: graphs.layers = the embeddings, "
+                             "the blocks, the final norm and the head (the loss stays eager)")
