@@ -7,7 +7,8 @@
 #               deterministic kernels: tells kernel noise, stream races and engine errors apart
 #   bf16diag    small GPT, bf16-mixed, 50 steps, fused kernels: why cudagraph_ddp leaves "ddp" by ~1e-2 here
 #               (session 4) while it equals it bit for bit with deterministic kernels: pairs with a fixed cuBLAS
-#               workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), with math attention only, with flash only
+#               workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), with math, flash or cuDNN attention only (cu13
+#               builds enable cuDNN attention by default, and it has known CUDA-graph capture restrictions)
 #   small       small GPT (d=768, T=512), $SMALL_STEPS steps (default 20): both strategies with deterministic kernels, Lightning "ddp"
 #               against itself (tells kernel noise from engine error), bf16-mixed pair, fp32 pair
 #   models      tied weights + accumulation (loss recomputed), checkpoint-hidden-parameter seed model
@@ -70,9 +71,12 @@ for sec in $sections; do
     run diag_math cudagraph_ddp $B --sdpa math
     run diag_flash ddp $B --sdpa flash
     run diag_flash cudagraph_ddp $B --sdpa flash
+    run diag_cudnn ddp $B --sdpa cudnn
+    run diag_cudnn cudagraph_ddp $B --sdpa cudnn
     pairs "bf16 fixed cuBLAS workspace=$work/diag_ws.ddp.pt,$work/diag_ws.cudagraph_ddp.pt" \
       "bf16 math attention=$work/diag_math.ddp.pt,$work/diag_math.cudagraph_ddp.pt" \
-      "bf16 flash attention=$work/diag_flash.ddp.pt,$work/diag_flash.cudagraph_ddp.pt" ;;
+      "bf16 flash attention=$work/diag_flash.ddp.pt,$work/diag_flash.cudagraph_ddp.pt" \
+      "bf16 cuDNN attention=$work/diag_cudnn.ddp.pt,$work/diag_cudnn.cudagraph_ddp.pt" ;;
   small)
     S=${SMALL_STEPS:-20}
     run small_32_det ddp $SMALL --steps $S --deterministic
