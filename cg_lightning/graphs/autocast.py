@@ -9,10 +9,18 @@ from typing import Optional
 import torch
 
 
+_device_types: Optional[tuple] = None
+
+
 def autocast_state() -> tuple:
-    """The autocast settings in force now, per device type: ``((device_type, enabled, dtype), ...)``."""
-    device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    return tuple((dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in device_types)
+    """The autocast settings in force now, per device type: ``((device_type, enabled, dtype), ...)``.
+
+    Read at every graphed call (a replay must match its capture's settings), so the device types are
+    looked up once per process."""
+    global _device_types
+    if _device_types is None:
+        _device_types = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return tuple((dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in _device_types)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,15 @@ class BufferReuseError(RuntimeError):
     """A callable in memory-saving mode was not called with the previous callable's output."""
 
 
+def copy_into_static(statics: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    """Copy each argument into its graph's static input buffer, skipping one that already is that buffer
+    (a chained or reused call hands the static tensor itself)."""
+    with torch.no_grad():
+        for static, value in zip(statics, values):
+            if static.data_ptr() != value.data_ptr():
+                static.copy_(value)
+
+
 def _same_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 

@@ -27,6 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .autocast import autocast_as, autocast_state
+from .buffer_reuse import copy_into_static
 from .capture import preserved_training_state
 from .host_sync import hook_dicts, hooks_inside, refuse_host_sync
 from .signature import CallSignature
@@ -164,10 +165,7 @@ class EvalGraphs:
         self.captures += 1
 
     def _replay(self, entry: _EvalEntry, args: tuple, kwargs: dict):
-        with torch.no_grad():
-            for static, new in zip(entry.static_inputs, entry.signature.tensor_leaves(args, kwargs)):
-                if static.data_ptr() != new.data_ptr():
-                    static.copy_(new)
+        copy_into_static(entry.static_inputs, entry.signature.tensor_leaves(args, kwargs))
         entry.graph.replay()
         self.replays += 1
         outs = entry.graph.outputs
@@ -189,7 +187,5 @@ def _snapshot(t: torch.Tensor):
 
 def _changed(t: torch.Tensor, before) -> bool:
     if isinstance(before, torch.Tensor):
-        return not torch.equal(t, before) and not (t.is_floating_point() and torch.isnan(before).any()
-                                                   and torch.equal(torch.nan_to_num(t), torch.nan_to_num(before)))
+        return not torch.allclose(t, before, rtol=0, atol=0, equal_nan=True)
     return t._version != before
-

@@ -41,11 +41,12 @@ of each hidden parameter is then absorbed by that edge.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, List, Optional, Sequence, Set
 
 import torch
 
-from .buffer_reuse import check_shared_inputs
+from .buffer_reuse import check_shared_inputs, copy_into_static
 from .autocast import autocast_as, autocast_off, autocast_state
 from .segments import check_segment_grad
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
@@ -54,6 +55,8 @@ from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reach
 from .signature import CallSignature
 from .state import graph_capture, graph_warmup, grad_ready_reporter, recording_grad_ready
 from torch.utils import _pytree as pytree
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getter for the per-replay frozen check
 
 
 class GraphCaptureError(RuntimeError):
@@ -481,13 +484,10 @@ class LayerGraphRunner:
             segment.consume(self)
         if self._frozen_at_capture:
             self._check_still_frozen()
-        if self.direct_params and not all(map(_requires_grad, self.direct_params)):
+        if self.direct_params and not all(map(_REQUIRES_GRAD, self.direct_params)):
             self._refuse_frozen_direct()
         self.forward_generation += 1
-        with torch.no_grad():
-            for static, x in zip(self.static_inputs, inputs):
-                if static.data_ptr() != x.data_ptr():
-                    static.copy_(x)
+        copy_into_static(self.static_inputs, inputs)
         self._fwd.replay()
         self.replays += 1
         outputs = self._fwd.outputs
@@ -551,10 +551,6 @@ class LayerGraphRunner:
         if self._single_output:
             return flat[0]
         return pytree.tree_unflatten(list(flat), self._out_spec)
-
-
-def _requires_grad(p: torch.Tensor) -> bool:
-    return p.requires_grad
 
 
 def _describe_autocast(state: tuple) -> str:
