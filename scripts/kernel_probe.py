@@ -45,6 +45,8 @@ def _case(name: str, make_inputs, body) -> None:
         for _ in range(2):
             body(*static)
     torch.cuda.current_stream().wait_stream(side)
+    for t in static:  # as eager() does: the captured backward writes fresh gradients, it does not add
+        t.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         body(*static)

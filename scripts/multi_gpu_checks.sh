@@ -9,6 +9,8 @@
 #               (session 4) while it equals it bit for bit with deterministic kernels: pairs with a fixed cuBLAS
 #               workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), with math, flash or cuDNN attention only (cu13
 #               builds enable cuDNN attention by default, and it has known CUDA-graph capture restrictions)
+#   bf16noise   small GPT, bf16-mixed, 50 steps, flash attention: two runs of each strategy (run-to-run spread of
+#               the atomic dq accumulation) and a math-attention "ddp" run as reference
 #   small       small GPT (d=768, T=512), $SMALL_STEPS steps (default 20): both strategies with deterministic kernels, Lightning "ddp"
 #               against itself (tells kernel noise from engine error), bf16-mixed pair, fp32 pair
 #   models      tied weights + accumulation (loss recomputed), checkpoint-hidden-parameter seed model
@@ -77,6 +79,23 @@ for sec in $sections; do
       "bf16 math attention=$work/diag_math.ddp.pt,$work/diag_math.cudagraph_ddp.pt" \
       "bf16 flash attention=$work/diag_flash.ddp.pt,$work/diag_flash.cudagraph_ddp.pt" \
       "bf16 cuDNN attention=$work/diag_cudnn.ddp.pt,$work/diag_cudnn.cudagraph_ddp.pt" ;;
+  bf16noise)
+    # is cudagraph_ddp farther from "ddp" than "ddp" is from itself, with flash attention (atomic dq)? Both are
+    # also measured against a run with math attention (no atomics), the closest thing to a reference.
+    B="$SMALL --steps 50 --precision bf16-mixed"
+    run noise_a ddp $B --sdpa flash
+    run noise_b ddp $B --sdpa flash
+    run noise_a cudagraph_ddp $B --sdpa flash
+    run noise_b cudagraph_ddp $B --sdpa flash
+    run noise_math ddp $B --sdpa math
+    pairs "flash: ddp vs ddp=$work/noise_a.ddp.pt,$work/noise_b.ddp.pt" \
+      "flash: cg vs cg=$work/noise_a.cudagraph_ddp.pt,$work/noise_b.cudagraph_ddp.pt" \
+      "flash: cg a vs ddp a=$work/noise_a.ddp.pt,$work/noise_a.cudagraph_ddp.pt" \
+      "flash: cg b vs ddp b=$work/noise_b.ddp.pt,$work/noise_b.cudagraph_ddp.pt" \
+      "flash ddp a vs math ddp=$work/noise_math.ddp.pt,$work/noise_a.ddp.pt" \
+      "flash ddp b vs math ddp=$work/noise_math.ddp.pt,$work/noise_b.ddp.pt" \
+      "flash cg a vs math ddp=$work/noise_math.ddp.pt,$work/noise_a.cudagraph_ddp.pt" \
+      "flash cg b vs math ddp=$work/noise_math.ddp.pt,$work/noise_b.cudagraph_ddp.pt" ;;
   small)
     S=${SMALL_STEPS:-20}
     run small_32_det ddp $SMALL --steps $S --deterministic

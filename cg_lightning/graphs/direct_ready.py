@@ -68,7 +68,9 @@ def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, Li
     root = loss.grad_fn
     if root is None:
         return {}
-    seen = {id(root)}
+    # The Python wrapper of a C++ autograd node lives only while referenced, and a new wrapper may get the
+    # address (id) of a freed one: keep every visited wrapper alive so ids stay unique during the walk.
+    seen = {id(root): root}
     stack = [root]
     while stack:
         node = stack.pop()
@@ -82,7 +84,7 @@ def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, Li
                     params[id(var)] = var
                 continue
             if id(nxt) not in seen:
-                seen.add(id(nxt))
+                seen[id(nxt)] = nxt
                 stack.append(nxt)
     out: Dict[object, List[torch.nn.Parameter]] = {}
     for pid, nodes in producers.items():
