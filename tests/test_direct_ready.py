@@ -186,3 +186,46 @@ def test_freezing_a_directly_reported_parameter_later_is_a_named_error():
                       num_sanity_val_steps=0, limit_val_batches=0, callbacks=[_FreezeAt()])
     with pytest.raises(GraphCaptureError, match=r"'model\.blocks\.1'.*'fc_out\.weight'.*frozen.*direct_grad_ready"):
         trainer.fit(model, datamodule=TextDataModule(block_size=16, batch_size=4, max_bytes=300_000))
+
+
+class _Core:
+    """Stands for a C++ autograd node: its children, and ``runner``/``variable`` where the real one has them."""
+
+    def __init__(self, children=(), runner=None, variable=None):
+        self.children, self.runner, self.variable = list(children), runner, variable
+
+
+class _Wrapper:
+    """A fresh Python wrapper at every ``next_functions`` access, freed when dropped, as torch's wrappers of C++
+    nodes are: a new wrapper may get the address (``id``) of one freed a moment ago."""
+
+    def __init__(self, core):
+        self._core = core
+        if core.runner is not None:
+            self.runner = core.runner
+        if core.variable is not None:
+            self.variable = core.variable
+
+    @property
+    def next_functions(self):
+        return tuple((_Wrapper(c), 0) for c in self._core.children)
+
+
+@pytest.mark.parametrize("depth", [1, 5, 20])
+def test_confirming_walk_survives_reused_node_wrapper_ids(depth):
+    """On the H200 (session 5) the walk from the loss confirmed 0 of 48 candidates: it marked nodes as seen by
+    the id of their Python wrapper, and a freed wrapper's id came back for another node, which was then
+    skipped. Here a chain of ``depth`` nodes with side branches leads to the replay node; the walk must find
+    the parameter behind it (without the fix: found at depth 1 and 2, lost from depth 5 on)."""
+    from cg_lightning.graphs import direct_ready
+
+    runner = object()
+    param = torch.nn.Parameter(torch.zeros(1))
+    node = _Core([_Core(variable=param)], runner=runner)
+    for _ in range(depth):
+        node = _Core([node, _Core()])
+
+    class Loss:
+        grad_fn = _Wrapper(node)
+
+    assert direct_ready.confirmed(Loss, {id(param): runner}) == {runner: [param]}
