@@ -99,8 +99,8 @@ class _Chain(LightningModule):
                 x = x * 0.5
             if i == 1 and (self.inplace_at == "all" or self.global_step in self.inplace_at):
                 x.add_(0.5)
-            if self.aux and i == 1:
-                extra = x.pow(2).mean()
+            if i == 1 and (self.aux is True or (self.aux and self.global_step >= self.aux)):
+                extra = x.pow(2).mean()  # aux: True on every step, or the first step (int) it is used on
         loss = F.mse_loss(self.head(x), y) + extra
         self.log("train_loss", loss)
         return loss
@@ -146,12 +146,25 @@ def test_an_op_between_blocks_splits_the_segment():
     assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
 
 
-def test_intermediate_output_used_elsewhere_is_an_error_naming_the_layer():
-    """Block 1's output also feeds an auxiliary loss: its gradient is the sum of two contributions, which the
-    segment's backward graph (fed by block 2 alone) cannot know. The first replayed backward raises
-    ``SegmentError`` naming the layer, instead of training on a wrong gradient."""
+def test_intermediate_output_used_elsewhere_ends_the_segment():
+    """Block 1's output also feeds an auxiliary loss on every step: its gradient is the sum of two
+    contributions, which a segment's backward graph fed by block 2 alone could not know. The recorded step's
+    backward shows the second use (``segments.mark_outside_uses``), so blocks 0-1 and 2-3 form two segments;
+    training equals "ddp"."""
+    steps = 8
+    ref_model, ref, _, _ = _chain_fit("ddp", steps, aux=True)
+    model, rec, _, roles = _chain_fit("cg", steps, aux=True)
+    assert roles.roles == [(True, False), (False, True), (True, False), (False, True)], roles.roles
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
+
+
+def test_intermediate_output_used_elsewhere_only_after_capture_is_an_error_naming_the_layer():
+    """The auxiliary loss on block 1's output starts two steps after capture: the recorded step gave no sign
+    of it, blocks 0-3 form one segment, and the first backward with the second use raises ``SegmentError``
+    naming the layer, instead of training on a wrong gradient."""
     with pytest.raises(SegmentError, match=r"'blocks\.1'.*graphs\.segments=false"):
-        _chain_fit("cg", 6, aux=True)
+        _chain_fit("cg", 8, aux=WARMUP + 2)
 
 
 ENGINE_BACKENDS = [

@@ -32,6 +32,10 @@ class CallRecord:
     output_version: Optional[int] = None
     #: the autocast settings in force at the call (capture.autocast_state)
     autocast: Optional[tuple] = None
+    #: graphs.segments: the output's autograd node (kept until capture), and whether the recorded step's
+    #: backward reached that output from anywhere but the next call (segments.mark_outside_uses)
+    output_node: Optional[object] = None
+    output_used_elsewhere: bool = False
 
 
 @dataclass

@@ -40,7 +40,7 @@ from .replay import ReplayFunction
 from .runner import LayerGraphRunner
 from .selection import select_layers
 from .autocast import autocast_state
-from .segments import SegmentError, find_segments
+from .segments import SegmentError, find_segments, mark_outside_uses
 from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError
 
@@ -170,9 +170,14 @@ class GraphManager:
         self._in_training_step = False
 
     def before_backward(self, loss: torch.Tensor) -> None:
-        """Called with the loss before the backward of a training micro-batch (``graphs.direct_grad_ready``):
-        at the first backward of a step that replayed a graph set, confirm which candidate parameters only
-        their own replay reaches; they are reported by the replay from the next step on."""
+        """Called with the loss before the backward of a training micro-batch. In a recorded step
+        (``graphs.segments``): mark the recorded outputs that also reach the loss outside the next call, so
+        no segment is built across them. At the first backward of a step that replayed a graph set
+        (``graphs.direct_grad_ready``): confirm which candidate parameters only their own replay reaches;
+        they are reported by the replay from the next step on."""
+        if self._mode == "record" and self.options.segments and isinstance(loss, torch.Tensor):
+            mark_outside_uses(loss, self._recording.calls)
+            return
         graph_set = self._active
         if self._mode != "replay" or graph_set is None or not graph_set.direct_pending or not self._replayed:
             return
@@ -241,6 +246,7 @@ class GraphManager:
             if self.options.segments and isinstance(out, torch.Tensor):
                 record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
                 record.output_version = out._version
+                record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
             return out
         if self._mode == "eager":
             self.stats.fallback_calls += 1
@@ -362,7 +368,7 @@ class GraphManager:
                                        self._mark_failed,
                                        segments_of=find_segments if self.options.segments else None)
         for call in record.calls:
-            call.output = None
+            call.output = call.output_node = None
         self.stats.capture_seconds += time.perf_counter() - start
         self.stats.pool_bytes += max(0, self._allocated() - allocated)
         if not runners:

@@ -16,8 +16,9 @@ that reaches a member's backward is exactly the tensor the next member's backwar
 intermediate output also used elsewhere would add gradient the graph never saw). A segment replays all or
 none of its calls: when its first call runs eagerly (shape policy), so do the others in that pass. Found
 at capture: which recorded calls chain (:func:`find_segments`, by storage and version counter of the
-recorded tensors). On the eager backend the launching call re-runs every member's body, so random draws or
-autocast changes made by the model *between* chained calls happen in another order than in eager
+recorded tensors, and, when the strategy hands the recorded step's loss in, only where that step's
+backward reached the intermediate output through the next call alone: :func:`mark_outside_uses`). On the
+eager backend the launching call re-runs every member's body, so random draws or autocast changes made by the model *between* chained calls happen in another order than in eager
 execution (the same holds for CUDA graphs, where each graph's random offsets are reserved at launch).
 """
 
@@ -65,7 +66,63 @@ def _chains(prev, call) -> bool:
         return False
     if call.input_version is None or call.input_version != prev.output_version:
         return False  # changed in place between the two calls
+    if prev.output_used_elsewhere:
+        return False  # the recorded backward reached the output from outside the next call
     return _same_tensor(call.args[0], out)
+
+
+def mark_outside_uses(loss: torch.Tensor, calls: Sequence) -> int:
+    """Evidence from a recorded (eager) step, before its backward: sets ``output_used_elsewhere`` on each
+    call whose output chains into the next call (:func:`find_segments`) but also reaches ``loss`` by another
+    path (an auxiliary loss, a list of hidden states, a skip connection over several blocks), so that
+    :func:`find_segments` ends the segment there instead of the first replayed backward raising
+    ``SegmentError``. Returns how many calls were marked.
+
+    ``calls``: the step's ``CallRecord`` list, each with ``output`` and ``output_node`` (the output's
+    ``grad_fn``) kept. One walk over the loss's autograd graph, plus one over each next call's own nodes;
+    every visited node wrapper is kept alive so that ``id`` stays an identity (torch creates wrappers on
+    access, and a new one may reuse a freed one's address).
+    """
+    root = getattr(loss, "grad_fn", None)
+    if root is None:
+        return 0
+    targets = {}  # id(output node of call k) -> (call k, nodes of call k+1's own graph)
+    for prev, call in zip(calls, calls[1:]):
+        if prev.output_node is not None and call.output_node is not None and _chains(prev, call):
+            targets[id(prev.output_node)] = (prev, _nodes_between(call.output_node, prev.output_node))
+    if not targets:
+        return 0
+    marked = 0
+    seen = {id(root): root}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            target = targets.get(id(nxt))
+            if target is not None and id(node) not in target[1] and not target[0].output_used_elsewhere:
+                target[0].output_used_elsewhere = True
+                marked += 1
+            if id(nxt) not in seen:
+                seen[id(nxt)] = nxt
+                stack.append(nxt)
+    return marked
+
+
+def _nodes_between(start, stop) -> dict:
+    """``id -> node`` for the nodes reachable from ``start`` without passing through ``stop`` (a call's own
+    autograd graph, from its output node back to its input's), wrappers kept alive."""
+    found = {id(start): start}
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None or nxt is stop or id(nxt) in found:
+                continue
+            found[id(nxt)] = nxt
+            stack.append(nxt)
+    return found
 
 
 class _Member:
