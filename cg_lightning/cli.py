@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "overrides",
         nargs="*",
+        default=[],  # else argparse also lists KEY=VALUE as missing when the command is
         metavar="KEY=VALUE",
         help="dotted overrides applied after the files, e.g. trainer.max_steps=100 strategy.name=ddp",
     )

@@ -40,7 +40,9 @@ class GraphMonitor(Callback):
     With ``prog_bar`` the progress bar shows ``graphs/captured`` and a ``graphs`` entry with the state:
     ``eager`` (before capture), ``captured N`` and ``, fallback`` when some calls run eagerly.
 
-    Does nothing unless the strategy is ``cudagraph_ddp`` with graphs enabled.
+    Does nothing unless the strategy is ``cudagraph_ddp`` with graphs enabled. Since it logs through
+    ``pl_module.log``, rows reach the loggers only on steps where the Trainer writes logs
+    (``Trainer(log_every_n_steps=...)``), as with Lightning's ``LearningRateMonitor``: use a multiple of it.
     """
 
     def __init__(self, log_every_n_steps: int = 10, prog_bar: bool = True) -> None:
