@@ -75,6 +75,10 @@ def test_gpt_blocks_form_one_segment_and_train_like_ddp(accelerator, backend):
     assert loss_diff < 1e-5 and weight_diff < 1e-5
 
 
+def _decay_bias(module, args) -> None:
+    module[3].bias.data.mul_(0.9)
+
+
 class _Chain(LightningModule):
     """Four residual MLP blocks on random regression data. ``between``: an op between blocks 1 and 2 (breaks
     the chain there); ``aux``: block 1's output also feeds an auxiliary loss (a second consumer);
@@ -82,11 +86,17 @@ class _Chain(LightningModule):
     step); ``grad_input_every``: every that many batches the first block's input requires grad (its call
     then differs from the captured signature)."""
 
-    def __init__(self, between: bool = False, aux: bool = False, inplace_at=(), grad_input_every: int = 0) -> None:
+    def __init__(self, between: bool = False, aux: bool = False, inplace_at=(), grad_input_every: int = 0,
+                 grad_hook=False, rng_between: bool = False, prehook: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(4))
+        drop = 0.2 if rng_between else 0.0
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(drop), nn.Linear(32, 16))
+                                    for _ in range(4))
         self.head = nn.Linear(16, 1)
         self.between, self.aux, self.inplace_at, self.grad_input_every = between, aux, inplace_at, grad_input_every
+        self.grad_hook, self.rng_between = grad_hook, rng_between
+        if prehook:  # block 2's state changes right before each of its calls (as a schedule or FP8 scaling would)
+            self.blocks[2].register_forward_pre_hook(_decay_bias)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -99,8 +109,13 @@ class _Chain(LightningModule):
                 x = x * 0.5
             if i == 1 and (self.inplace_at == "all" or self.global_step in self.inplace_at):
                 x.add_(0.5)
-            if i == 1 and (self.aux is True or (self.aux and self.global_step >= self.aux)):
-                extra = x.pow(2).mean()  # aux: True on every step, or the first step (int) it is used on
+            if i == 1 and (self.aux is True or (self.aux == "even_batches" and batch_idx % 2 == 0)
+                           or (type(self.aux) is int and self.global_step >= self.aux)):
+                extra = x.pow(2).mean()  # aux: every step, even batches only, or from a global step (int) on
+            if i == 1 and (self.grad_hook is True or (self.grad_hook and self.global_step >= self.grad_hook)):
+                x.register_hook(lambda g: g.mul_(0.5))  # changes the gradient in place, returns None
+            if i == 1 and self.rng_between:
+                self.noise = torch.rand(4, device=x.device)  # a random draw between blocks 1 and 2 (x untouched)
         loss = F.mse_loss(self.head(x), y) + extra
         self.log("train_loss", loss)
         return loss
@@ -155,6 +170,78 @@ def test_intermediate_output_used_elsewhere_ends_the_segment():
     ref_model, ref, _, _ = _chain_fit("ddp", steps, aux=True)
     model, rec, _, roles = _chain_fit("cg", steps, aux=True)
     assert roles.roles == [(True, False), (False, True), (True, False), (False, True)], roles.roles
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
+
+
+SPLIT_AT_1 = [(True, False), (False, True), (True, False), (False, True)]  # segments blocks 0-1 and 2-3
+
+
+@pytest.mark.parametrize("case", ["grad_hook", "rng_between", "prehook"])
+def test_what_happens_between_two_calls_ends_the_segment(case):
+    """Three things between two chained calls that a segment's graphs would run in the wrong order, each seen
+    in the recorded step, each ending the segment there; training equals "ddp" (1e-5):
+    ``grad_hook``: a gradient hook on block 1's output that changes the gradient in place (block 1's backward
+    would already have run inside the segment's backward graph); ``rng_between``: a random draw between
+    blocks 1 and 2, with dropout in the blocks (the segment's graph would draw block 2's masks before it);
+    ``prehook``: a forward pre-hook on block 2 that changes its bias (the segment would run block 2 at block
+    0's call, before the hook). Without the checks each case trained silently off "ddp" (found by a review
+    helper in session 5)."""
+    steps = 8
+    kw = {case: True}
+    ref_model, ref, _, _ = _chain_fit("ddp", steps, **kw)
+    model, rec, _, roles = _chain_fit("cg", steps, **kw)
+    assert roles.roles == SPLIT_AT_1, roles.roles
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
+
+
+def test_in_place_gradient_hook_added_after_capture_is_an_error_naming_the_layer():
+    """The in-place gradient hook on block 1's output starts two steps after capture: the segment's backward
+    graph already used the unchanged gradient, so the next check raises ``SegmentError`` naming the layer."""
+    with pytest.raises(SegmentError, match=r"'blocks\.1'.*changed in place after"):
+        _chain_fit("cg", 8, grad_hook=WARMUP + 2)
+
+
+def test_forward_pre_hook_added_after_capture_on_a_following_member_is_an_error():
+    """A pre-hook registered on block 2 after capture would run after the segment already ran block 2."""
+
+    class AddHookLater(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == WARMUP + 2:
+                pl_module.blocks[2].register_forward_pre_hook(lambda module, args: None)
+
+    from lightning.pytorch import LightningDataModule
+
+    class DM(LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(_ChainData(), batch_size=None)
+
+    seed_everything(5, workers=True)
+    with pytest.raises(SegmentError, match=r"'blocks\.2'.*forward pre-hook"):
+        _fit("cg", 8, _Chain(), DM(), callbacks=[AddHookLater()])
+
+
+def test_outside_use_in_the_first_micro_batch_of_each_step_ends_the_segment():
+    """accumulate_grad_batches=2 and the auxiliary loss on block 1's output only in the first micro-batch of
+    each step: the last recorded micro-batch shows no second use, the first does; the marks of every recorded
+    micro-batch count, so the segment ends at block 1 and training equals "ddp" (was: ``SegmentError`` at the
+    first replayed backward of a first micro-batch; found by a review helper in session 5)."""
+    from lightning.pytorch import LightningDataModule
+
+    class DM(LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(_ChainData(), batch_size=None)
+
+    out = {}
+    for name in ("ddp", "cg"):
+        seed_everything(5, workers=True)
+        roles = _Roles()
+        model = _Chain(aux="even_batches")
+        rec, _ = _fit(name, 6, model, DM(), callbacks=[roles], accumulate_grad_batches=2)
+        out[name] = (model, rec, roles)
+    (ref_model, ref, _), (model, rec, roles) = out["ddp"], out["cg"]
+    assert roles.roles == SPLIT_AT_1, roles.roles
     assert max_rel_diff(rec.losses, ref.losses) < 1e-5
     assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
 

@@ -9,6 +9,8 @@ needs its own buffers during the step it replays in.
 
 from __future__ import annotations
 
+import torch
+
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -36,6 +38,14 @@ class CallRecord:
     #: backward reached that output from anywhere but the next call (segments.mark_outside_uses)
     output_node: Optional[object] = None
     output_used_elsewhere: bool = False
+    #: graphs.segments: the random generator state of the layer's device just before and just after the call
+    #: (a draw between two calls ends the segment: its graph would reserve both calls' draws at launch)
+    rng_before: Optional[torch.Tensor] = None
+    rng_after: Optional[torch.Tensor] = None
+    #: graphs.segments: the gradient hooks (``register_hook`` handle ids) on the first argument when the call
+    #: was made and on the output when it returned (a hook added in between ends the segment there)
+    input_hooks: tuple = ()
+    output_hooks: tuple = ()
 
 
 @dataclass

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,7 +40,7 @@ from .replay import ReplayFunction
 from .runner import LayerGraphRunner
 from .selection import select_layers
 from .autocast import autocast_state
-from .segments import SegmentError, find_segments, mark_outside_uses
+from .segments import SegmentError, find_segments, mark_outside_uses, rng_state
 from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError
 
@@ -129,6 +129,7 @@ class GraphManager:
         self._active: Optional[GraphSet] = None
         self._cache_full_warned = False
         self._direct_switch: List[Tuple[LayerGraphRunner, List[nn.Parameter]]] = []  # applied at begin_step
+        self._used_elsewhere: Set[Tuple[int, int]] = set()  # graphs.segments: (id(layer), index), recorded steps
         self._replayed: set = set()
 
     # ----------------------------------------------------------------- state
@@ -177,6 +178,8 @@ class GraphManager:
         they are reported by the replay from the next step on."""
         if self._mode == "record" and self.options.segments and isinstance(loss, torch.Tensor):
             mark_outside_uses(loss, self._recording.calls)
+            # a use seen in any recorded micro-batch counts (accumulation: the capture sees only the last)
+            self._used_elsewhere.update((id(c.layer), c.index) for c in self._recording.calls if c.output_used_elsewhere)
             return
         graph_set = self._active
         if self._mode != "replay" or graph_set is None or not graph_set.direct_pending or not self._replayed:
@@ -240,19 +243,32 @@ class GraphManager:
                 self.stats.eager_calls += 1
             else:
                 self.stats.fallback_calls += 1
-            if self.options.segments and args and isinstance(args[0], torch.Tensor):
-                record.input_version = args[0]._version
+            if self.options.segments:
+                if args and isinstance(args[0], torch.Tensor):
+                    record.input_version = args[0]._version
+                    record.input_hooks = tuple(args[0]._backward_hooks or ())
+                record.rng_before = rng_state(self.device)
             out = layer.forward(*args, **kwargs)
+            if self.options.segments:
+                record.rng_after = rng_state(self.device)
             if self.options.segments and isinstance(out, torch.Tensor):
                 record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
                 record.output_version = out._version
                 record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
+                record.output_hooks = tuple(out._backward_hooks or ())
             return out
         if self._mode == "eager":
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
         runner = self._active.runners.get((key, index))
         follows = runner is not None and runner.segment is not None and not runner.segment_launcher
+        if follows and layer.module._forward_pre_hooks:
+            raise SegmentError(
+                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) and got a forward pre-hook "
+                "after capture: the segment's graph ran this layer at the segment's first call, before the hook. "
+                "Register the hook before the first training step (the segment then ends before this layer), or "
+                "set graphs.segments=false for this model."
+            )
         if follows and not runner.segment.launched_for(runner):
             # the segment's first call ran eagerly in this pass (its arguments differed): so does the rest
             self.stats.fallback_calls += 1
@@ -364,11 +380,13 @@ class GraphManager:
         if self.pool is None:
             self.pool = self.backend.new_pool()
         calls = [c for c in record.calls if c.layer.failure is None]
+        for call in calls:
+            call.output_used_elsewhere |= (id(call.layer), call.index) in self._used_elsewhere
         calls, runners = capture_calls(calls, self._runner, self.model, self.options.on_capture_error,
                                        self._mark_failed,
                                        segments_of=find_segments if self.options.segments else None)
         for call in record.calls:
-            call.output = call.output_node = None
+            call.output = call.output_node = call.rng_before = call.rng_after = None
         self.stats.capture_seconds += time.perf_counter() - start
         self.stats.pool_bytes += max(0, self._allocated() - allocated)
         if not runners:

@@ -536,6 +536,8 @@ class LayerGraphRunner:
         it = iter(grads[:n_in])
         for t in self.static_inputs:
             input_grads.append(next(it) if t.requires_grad else None)
+        if self.segment is not None:
+            self.segment.hand_out(input_grads)  # an in-place change before the previous member's check is refused
         param_grads = [
             None if g is None else (g.clone() if clone else g) for g, clone in zip(grads[n_in:], self.clone_slots)
         ]

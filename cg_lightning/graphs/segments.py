@@ -11,15 +11,19 @@ results. Grad-ready notifications still come from every call's own replay node, 
 
 What must hold, and is checked at every replay (``SegmentError`` otherwise, naming the layer): a member's
 input is the previous member's output tensor, unchanged (same storage and the same version counter: an
-in-place change between the two calls is caught), its arguments match the captured ones, and the gradient
-that reaches a member's backward is exactly the tensor the next member's backward produced (an
-intermediate output also used elsewhere would add gradient the graph never saw). A segment replays all or
-none of its calls: when its first call runs eagerly (shape policy), so do the others in that pass. Found
-at capture: which recorded calls chain (:func:`find_segments`, by storage and version counter of the
-recorded tensors, and, when the strategy hands the recorded step's loss in, only where that step's
-backward reached the intermediate output through the next call alone: :func:`mark_outside_uses`). On the
-eager backend the launching call re-runs every member's body, so random draws or autocast changes made by the model *between* chained calls happen in another order than in eager
-execution (the same holds for CUDA graphs, where each graph's random offsets are reserved at launch).
+in-place change between the two calls is caught), its arguments match the captured ones, the gradient
+that reaches a member's backward is exactly the tensor the next member's backward produced and has not been
+changed in place since (an intermediate output also used elsewhere would add gradient the graph never saw;
+a gradient hook would change it after the graph used it), and no following member got a forward pre-hook.
+A segment replays all or none of its calls: when its first call runs eagerly (shape policy), so do the
+others in that pass.
+
+Found at capture, from the recorded (eager) steps (:func:`find_segments`): two calls chain only if the
+second's argument is the first's output (storage, version counter), the recorded backward reached that
+output through the second call alone (:func:`mark_outside_uses`, in any recorded micro-batch, when the
+strategy hands the loss in), no gradient hook was added on it in between, no random draw happened in
+between (the segment's graph reserves every member's draws at launch), and neither a forward pre-hook of
+the second layer nor a forward hook of the first would run between them.
 """
 
 from __future__ import annotations
@@ -66,9 +70,32 @@ def _chains(prev, call) -> bool:
         return False
     if call.input_version is None or call.input_version != prev.output_version:
         return False  # changed in place between the two calls
-    if prev.output_used_elsewhere:
-        return False  # the recorded backward reached the output from outside the next call
+    if prev.output_used_elsewhere or call.input_hooks != prev.output_hooks:
+        return False  # the recorded backward reached the output from outside the next call, or a hook added on it
+    if _random_draw_between(prev, call):
+        return False  # the graph would reserve both calls' draws at launch, before the draw in between
+    if call.layer.module._forward_pre_hooks or prev.layer.module._forward_hooks or _global_module_hooks():
+        return False  # a hook between the two calls would run after the segment already computed both
     return _same_tensor(call.args[0], out)
+
+
+def _random_draw_between(prev, call) -> bool:
+    a, b = prev.rng_after, call.rng_before
+    return a is not None and b is not None and not torch.equal(a, b)
+
+
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_pre_hooks or module._global_forward_hooks)
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the default random generator of ``device`` (CUDA: seed and offset; CPU: the whole
+    Mersenne state), to compare around recorded calls."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
 
 
 def mark_outside_uses(loss: torch.Tensor, calls: Sequence) -> int:
@@ -140,11 +167,23 @@ class _Member:
 
 
 class SegmentState:
-    """Which forward launch of its segment each following member consumed (one launch per pass)."""
+    """Which forward launch of its segment each following member consumed (one launch per pass), and the
+    input-gradient buffers its backward handed on, with their version counters at that moment."""
 
     def __init__(self) -> None:
         self.launches = 0
         self._consumed = {}
+        self._handed = {}
+
+    def hand_out(self, grads) -> None:
+        for g in grads:
+            if g is not None:
+                self._handed[g.data_ptr()] = (g, g._version)
+
+    def changed_since_handed(self, g: torch.Tensor) -> bool:
+        """``g`` is a buffer this segment's backward handed on, modified in place since (a gradient hook)."""
+        entry = self._handed.get(g.data_ptr())
+        return entry is not None and entry[0] is g and g._version != entry[1]
 
     def launched_for(self, runner) -> bool:
         """True when the segment's forward launched since ``runner`` last replayed."""
@@ -237,4 +276,12 @@ def check_segment_grad(runner, grad_outputs) -> None:
                 f"{'no gradient' if g is None else 'another tensor'} (the output is also used outside the chain, "
                 "e.g. kept for an auxiliary loss, or a gradient hook on it returned a new tensor). Set "
                 "graphs.segments=false for this model."
+            )
+        if runner.segment.changed_since_handed(g):
+            raise SegmentError(
+                f"graphed {runner.name!r} is inside a segment (graphs.segments=true): the gradient of its output "
+                "was changed in place after the segment's backward graph had already used it (a gradient hook "
+                "that modifies its argument, e.g. register_hook(lambda g: g.mul_(0.5)), registered after the "
+                "graphs were captured). Register the hook from the first training step on (the recorded step "
+                "then ends the segment at that output), or set graphs.segments=false for this model."
             )
