@@ -28,5 +28,36 @@ class ReplayFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grad_outputs):
-        ctx.runner.check_generation(ctx.generation)
-        return (None, *ctx.runner.replay_backward(grad_outputs))
+        runner = ctx.runner
+        runner.check_generation(ctx.generation)
+        if getattr(ctx, "backward_ran", False):
+            raise RuntimeError(
+                f"graphed {runner.name!r}: a second backward pass reached the same call (backward or "
+                "torch.autograd.grad with retain_graph=True, then another one). Its captured backward runs once "
+                "per call: it reads the activations the graph saved and adds the weight gradients into main_grad. "
+                "Take such extra gradients (a gradient-norm probe on a hidden state) from a step without graphs, "
+                "or leave the layer out of graphs.layers."
+            )
+        ctx.backward_ran = True
+        if runner.main_grad_params and not _leaves_accumulate(ctx, len(runner.apply_edges)):
+            raise RuntimeError(
+                f"graphed {runner.name!r}: its backward was reached by torch.autograd.grad or by "
+                "backward(inputs=...) that leaves its parameters out. Its captured backward adds the weight "
+                "gradients into main_grad whatever the caller asked for, so eager results cannot be matched. "
+                "Call loss.backward() (Lightning does), or leave the layer out of graphs.layers."
+            )
+        return (None, *runner.replay_backward(grad_outputs))
+
+
+def _leaves_accumulate(ctx, n_edges: int) -> bool:
+    """Whether this backward pass accumulates into the parameters behind the node's last ``n_edges`` inputs
+    (their ``AccumulateGrad`` nodes will run): false under ``torch.autograd.grad`` and under
+    ``backward(inputs=...)`` without them. Without edges (``graphs.direct_grad_ready``) it cannot be told,
+    and true is returned."""
+    nodes = [node for node, _ in ctx.next_functions[len(ctx.next_functions) - n_edges:] if node is not None]
+    if not nodes:
+        return True
+    try:
+        return any(torch._C._will_engine_execute_node(node) for node in nodes)
+    except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()": nothing accumulates
+        return False
