@@ -38,6 +38,9 @@ class CallRecord:
     #: backward reached that output from anywhere but the next call (segments.mark_outside_uses)
     output_node: Optional[object] = None
     output_used_elsewhere: bool = False
+    #: graphs.segments: some recorded micro-batch showed a reason to end a segment after this call (set at
+    #: capture from all recorded micro-batches: an outside use, a hook added or a random draw in between)
+    ends_segment: bool = False
     #: graphs.segments: the random generator state of the layer's device just before and just after the call
     #: (a draw between two calls ends the segment: its graph would reserve both calls' draws at launch)
     rng_before: Optional[torch.Tensor] = None

@@ -40,7 +40,7 @@ from .replay import ReplayFunction
 from .runner import LayerGraphRunner
 from .selection import select_layers
 from .autocast import autocast_state
-from .segments import SegmentError, find_segments, mark_outside_uses, rng_state
+from .segments import SegmentError, breaks_between, find_segments, mark_outside_uses, rng_state
 from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError
 
@@ -129,7 +129,8 @@ class GraphManager:
         self._active: Optional[GraphSet] = None
         self._cache_full_warned = False
         self._direct_switch: List[Tuple[LayerGraphRunner, List[nn.Parameter]]] = []  # applied at begin_step
-        self._used_elsewhere: Set[Tuple[int, int]] = set()  # graphs.segments: (id(layer), index), recorded steps
+        self._segment_ends: Set[Tuple[int, int]] = set()  # graphs.segments: (id(layer), index) of recorded calls
+        # after which some recorded micro-batch showed a reason to end a segment (segments.breaks_between)
         self._replayed: set = set()
 
     # ----------------------------------------------------------------- state
@@ -178,8 +179,10 @@ class GraphManager:
         they are reported by the replay from the next step on."""
         if self._mode == "record" and self.options.segments and isinstance(loss, torch.Tensor):
             mark_outside_uses(loss, self._recording.calls)
-            # a use seen in any recorded micro-batch counts (accumulation: the capture sees only the last)
-            self._used_elsewhere.update((id(c.layer), c.index) for c in self._recording.calls if c.output_used_elsewhere)
+            # what any recorded micro-batch showed counts (accumulation: the capture sees only the last one)
+            calls = self._recording.calls
+            self._segment_ends.update(
+                (id(prev.layer), prev.index) for prev, call in zip(calls, calls[1:]) if breaks_between(prev, call))
             return
         graph_set = self._active
         if self._mode != "replay" or graph_set is None or not graph_set.direct_pending or not self._replayed:
@@ -381,7 +384,7 @@ class GraphManager:
             self.pool = self.backend.new_pool()
         calls = [c for c in record.calls if c.layer.failure is None]
         for call in calls:
-            call.output_used_elsewhere |= (id(call.layer), call.index) in self._used_elsewhere
+            call.ends_segment = (id(call.layer), call.index) in self._segment_ends
         calls, runners = capture_calls(calls, self._runner, self.model, self.options.on_capture_error,
                                        self._mark_failed,
                                        segments_of=find_segments if self.options.segments else None)

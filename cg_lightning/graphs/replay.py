@@ -34,7 +34,7 @@ class ReplayFunction(torch.autograd.Function):
             raise RuntimeError(
                 f"graphed {runner.name!r}: a second backward pass reached the same call (backward or "
                 "torch.autograd.grad with retain_graph=True, then another one). Its captured backward runs once "
-                "per call: it reads the activations the graph saved and adds the weight gradients into main_grad. "
+                "per call: it reads the activations that call left in the graph's static buffers. "
                 "Take such extra gradients (a gradient-norm probe on a hidden state) from a step without graphs, "
                 "or leave the layer out of graphs.layers."
             )

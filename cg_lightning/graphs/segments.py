@@ -70,24 +70,35 @@ def _chains(prev, call) -> bool:
         return False
     if call.input_version is None or call.input_version != prev.output_version:
         return False  # changed in place between the two calls
-    if prev.output_used_elsewhere or call.input_hooks != prev.output_hooks:
-        return False  # the recorded backward reached the output from outside the next call, or a hook added on it
-    if _random_draw_between(prev, call):
-        return False  # the graph would reserve both calls' draws at launch, before the draw in between
-    if call.layer.module._forward_pre_hooks or prev.layer.module._forward_hooks or _global_module_hooks():
-        return False  # a hook between the two calls would run after the segment already computed both
+    if prev.ends_segment or breaks_between(prev, call):
+        return False
+    if _module_hooks_between(prev.layer.module, call.layer.module):
+        return False  # a hook between the two calls would run when the segment already computed both
     return _same_tensor(call.args[0], out)
+
+
+def breaks_between(prev, call) -> bool:
+    """What one recorded micro-batch shows between two consecutive calls that rules out chaining them: the
+    backward reached ``prev``'s output from elsewhere, a gradient hook was added on it, or a random draw
+    happened in between (the segment's graph reserves every member's draws at launch)."""
+    return prev.output_used_elsewhere or call.input_hooks != prev.output_hooks or _random_draw_between(prev, call)
+
+
+def _module_hooks_between(first: torch.nn.Module, second: torch.nn.Module) -> bool:
+    from torch.nn.modules import module
+
+    return bool(
+        second._forward_pre_hooks or first._forward_hooks
+        or first._backward_hooks or getattr(first, "_backward_pre_hooks", None)
+        or second._backward_hooks or getattr(second, "_backward_pre_hooks", None)
+        or module._global_forward_pre_hooks or module._global_forward_hooks
+        or module._global_backward_hooks or getattr(module, "_global_backward_pre_hooks", None)
+    )
 
 
 def _random_draw_between(prev, call) -> bool:
     a, b = prev.rng_after, call.rng_before
     return a is not None and b is not None and not torch.equal(a, b)
-
-
-def _global_module_hooks() -> bool:
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_pre_hooks or module._global_forward_hooks)
 
 
 def rng_state(device: torch.device) -> torch.Tensor:
@@ -281,7 +292,7 @@ def check_segment_grad(runner, grad_outputs) -> None:
             raise SegmentError(
                 f"graphed {runner.name!r} is inside a segment (graphs.segments=true): the gradient of its output "
                 "was changed in place after the segment's backward graph had already used it (a gradient hook "
-                "that modifies its argument, e.g. register_hook(lambda g: g.mul_(0.5)), registered after the "
-                "graphs were captured). Register the hook from the first training step on (the recorded step "
-                "then ends the segment at that output), or set graphs.segments=false for this model."
+                "that modifies its argument, e.g. register_hook(lambda g: g.mul_(0.5)), that no recorded step "
+                "had). Register the hook from the first training step on (the recorded steps then end the "
+                "segment at that output), or set graphs.segments=false for this model."
             )
