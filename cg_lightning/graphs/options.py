@@ -50,8 +50,11 @@ class GraphOptions:
         segments: capture consecutive graphed calls that feed each other (call k+1's only argument is call
             k's output, as in ``for block in blocks: x = block(x)``) as one forward and one backward graph:
             one graph launch per direction instead of one per layer, and no input copies between them.
-            Every replay checks that each call is handed exactly the chained tensor and gradient; an
-            intermediate output also used elsewhere raises ``SegmentError`` (then leave this off).
+            Which calls chain is decided from the recorded warmup steps: an intermediate output the backward
+            also reached from elsewhere, a gradient hook added on it, a random draw or module hooks between
+            two calls end the segment there. Every replay checks that each call is handed exactly the chained
+            tensor and gradient; such a use that appears only after capture raises ``SegmentError`` naming
+            the layer (then leave this off).
         direct_grad_ready: parameters that only one graphed call reaches (confirmed on the autograd graph
             of the first step replaying a graph set, :mod:`.direct_ready`) lose their autograd edge to the
             replay node; the replay reports them ready itself. Saves an autograd input, an
