@@ -210,6 +210,19 @@ def test_loss_backward_instead_of_accelerator_backward_is_an_error(fresh_acceler
         optimizer.step()
 
 
+def test_forward_of_the_unwrapped_model_is_an_error(fresh_accelerate_state):
+    """A forward through ``accelerator.unwrap_model(model)`` bypasses the engine: its hooks put the gradients
+    into main_grad, but nothing finishes the sync or exposes ``param.grad``, so ``optimizer.step()`` changed
+    nothing (found by a review helper in session 5: weights 0.16 off Accelerate, no error). Now
+    ``accelerator.backward`` says so."""
+    from cg_lightning.accelerate import CUDAGraphAccelerator
+
+    accelerator = CUDAGraphAccelerator(cpu=True, graphs={"enabled": False})
+    raw, model, optimizer = _tiny_setup(accelerator)
+    with pytest.raises(RuntimeError, match=r"without a forward of the prepared model.*unwrap_model"):
+        accelerator.backward(accelerator.unwrap_model(model)(torch.randn(3, 4)).sum())
+
+
 def test_torch_ddp_kwargs_refused(fresh_accelerate_state):
     from accelerate.utils import DistributedDataParallelKwargs
 

@@ -237,3 +237,26 @@ def test_sample_args_must_be_a_tuple():
 def test_wrong_sample_shape_names_the_callable():
     with pytest.raises(cg_lightning.GraphCaptureError, match=r"warmup of layer 'Linear#0'"):
         cg_lightning.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 5, requires_grad=True),), backend="eager")
+
+
+def test_torch_positional_signature_is_accepted():
+    """``make_graphed_callables(callables, sample_args, num_warmup_iters, allow_unused_input, pool)`` as torch
+    spells it (found by a review helper in session 5: TypeError); an unused input gets a ``None`` gradient."""
+    torch.manual_seed(0)
+
+    class IgnoresSecond(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x, unused):
+            return self.lin(x)
+
+    m = IgnoresSecond()
+    sample = (torch.randn(2, 8, requires_grad=True), torch.randn(2, 8, requires_grad=True))
+    g = cg_lightning.make_graphed_callables(m, sample, 2, True, None, backend="eager")
+    x, u = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8, requires_grad=True)
+    g(x, u).sum().backward()
+    expected = m.lin.weight.sum(0).expand(2, 8)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-6, atol=1e-6)
+    assert u.grad is None

@@ -187,6 +187,16 @@ class CUDAGraphAccelerator(Accelerator):
             if engine.graph_manager is not None:
                 engine.graph_manager.before_backward(loss)
         super().backward(loss, **kwargs)
+        for engine in self._graph_engines:
+            if engine not in active and any(any(b.slot_counts) for b in engine.buckets):
+                raise RuntimeError(
+                    "cg_lightning: accelerator.backward reached parameters of a model prepared by "
+                    "CUDAGraphAccelerator without a forward of the prepared model since the last backward (a "
+                    "forward of accelerator.unwrap_model(model), or a second backward through one forward): "
+                    "their gradients are in main_grad, but the engine would neither all-reduce them nor point "
+                    "param.grad at them, and the optimizer step would change nothing. Call the prepared model, "
+                    "once per backward, in training steps."
+                )
         for engine in active:
             engine.finish_backward(expose=self.sync_gradients)
             self._report_capture(engine)

@@ -38,7 +38,9 @@ _CAUSES = (
     "that takes no part in the loss (freeze it with requires_grad=False before training). A count above "
     "the expected one with graphs.direct_grad_ready on: a graphed layer's parameter also used outside its "
     "graph, or a graphed layer called more often than when it was captured, on this step; set "
-    "graphs.direct_grad_ready=false for such a model."
+    "graphs.direct_grad_ready=false for such a model. Every count doubled: a second backward through the "
+    "same forward (retain_graph=True, or two losses from one output) in one micro-batch; run one backward "
+    "per forward, or add the losses first."
 )
 
 

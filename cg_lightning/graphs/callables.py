@@ -48,10 +48,11 @@ def _graphed(runner: LayerGraphRunner, fallback: Callable, module: Optional[nn.M
 def make_graphed_callables(
     callables: Union[Callable, Tuple[Callable, ...]],
     sample_args: Union[tuple, Tuple[tuple, ...]],
-    *,
     num_warmup_iters: int = 3,
-    clone_param_grads_on_return: bool = True,
+    allow_unused_input: bool = False,
     pool=None,
+    *,
+    clone_param_grads_on_return: bool = True,
     sample_kwargs: Optional[Union[dict, Tuple[dict, ...]]] = None,
     backend: str = "auto",
     reuse_graph_buffers: bool = False,
@@ -68,8 +69,10 @@ def make_graphed_callables(
         callables: ``nn.Module`` or function, or a tuple of them.
         sample_args: tensors (shapes, dtypes, ``requires_grad`` as in real calls), or a tuple of tuples.
         num_warmup_iters: eager warmup passes per callable before capture (>= 1).
-        clone_param_grads_on_return: return owned clones of parameter gradients (see module docstring).
+        allow_unused_input: accepted for torch's signature; an input the outputs do not depend on always
+            gets a ``None`` gradient here (torch raises for it unless this is true).
         pool: a memory pool handle to share with other graphs (CUDA backend).
+        clone_param_grads_on_return: return owned clones of parameter gradients (see module docstring).
         sample_kwargs: keyword arguments (dict, or tuple of dicts) of the sample call.
         backend: ``"auto"``, ``"cuda"`` or ``"eager"``.
         reuse_graph_buffers: memory-saving mode for a tuple of callables called as a chain

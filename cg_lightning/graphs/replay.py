@@ -44,7 +44,8 @@ class ReplayFunction(torch.autograd.Function):
                 f"graphed {runner.name!r}: its backward was reached by torch.autograd.grad or by "
                 "backward(inputs=...) that leaves its parameters out. Its captured backward adds the weight "
                 "gradients into main_grad whatever the caller asked for, so eager results cannot be matched. "
-                "Call loss.backward() (Lightning does), or leave the layer out of graphs.layers."
+                "Call loss.backward() (Lightning does) or accelerator.backward(loss), or leave the layer out of "
+                "graphs.layers."
             )
         return (None, *runner.replay_backward(grad_outputs))
 
