@@ -36,6 +36,8 @@ from typing import Dict, Iterable, List
 
 import torch
 
+from .discovery import autograd_edges
+
 
 def candidates(runners: Iterable) -> Dict[int, object]:
     """``id(param) -> runner`` for the parameters that may be reported by their runner's replay.
@@ -68,24 +70,11 @@ def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, Li
     root = loss.grad_fn
     if root is None:
         return {}
-    # The Python wrapper of a C++ autograd node lives only while referenced, and a new wrapper may get the
-    # address (id) of a freed one: keep every visited wrapper alive so ids stay unique during the walk.
-    seen = {id(root): root}
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            var = getattr(nxt, "variable", None)
-            if var is not None:  # an AccumulateGrad node
-                if id(var) in pending:
-                    producers.setdefault(id(var), []).append(node)
-                    params[id(var)] = var
-                continue
-            if id(nxt) not in seen:
-                seen[id(nxt)] = nxt
-                stack.append(nxt)
+    for node, nxt in autograd_edges(root):
+        var = getattr(nxt, "variable", None)  # set on AccumulateGrad nodes
+        if var is not None and id(var) in pending:
+            producers.setdefault(id(var), []).append(node)
+            params[id(var)] = var
     out: Dict[object, List[torch.nn.Parameter]] = {}
     for pid, nodes in producers.items():
         runner = pending[pid]

@@ -9,7 +9,7 @@ replay share one positional layout (Megatron-LM PR #6373).
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence, Set
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -39,6 +39,24 @@ def leaf_tensors(outputs: Iterable[torch.Tensor]) -> List[torch.Tensor]:
             found.setdefault(id(variable), variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return list(found.values())
+
+
+def autograd_edges(root, stop: Optional[object] = None) -> Iterator[Tuple[object, object]]:
+    """Every edge ``(node, next_node)`` of the autograd graph below the node ``root``, each node expanded once
+    (``stop``, if given, is not expanded). Python wrappers of autograd nodes are created on access and may
+    die, and a dead wrapper's id can be reused by another node: every visited wrapper is kept alive until
+    the walk ends, so ``id`` stays an identity for the caller too."""
+    seen: Dict[int, object] = {id(root): root}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            yield node, nxt
+            if nxt is not stop and id(nxt) not in seen:
+                seen[id(nxt)] = nxt
+                stack.append(nxt)
 
 
 def leaves_inside(outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor]) -> Set[int]:

@@ -39,7 +39,7 @@ class ReplayFunction(torch.autograd.Function):
                 "or leave the layer out of graphs.layers."
             )
         ctx.backward_ran = True
-        if runner.main_grad_params and not _leaves_accumulate(ctx, len(runner.apply_edges)):
+        if runner.adds_into_main_grad and not _leaves_accumulate(ctx, len(runner.apply_edges)):
             raise RuntimeError(
                 f"graphed {runner.name!r}: its backward was reached by torch.autograd.grad or by "
                 "backward(inputs=...) that leaves its parameters out. Its captured backward adds the weight "

@@ -292,6 +292,12 @@ class LayerGraphRunner:
             self.make_static_grad_outputs()
 
     @property
+    def adds_into_main_grad(self) -> bool:
+        """The captured backward adds some parameter gradient into ``main_grad`` (checked at every backward
+        replay, so no list copy)."""
+        return bool(self._main_grad_params)
+
+    @property
     def main_grad_params(self) -> List[torch.nn.Parameter]:
         """Parameters whose gradient the captured backward adds into ``main_grad`` itself."""
         return list(self._main_grad_params)

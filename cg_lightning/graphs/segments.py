@@ -34,6 +34,7 @@ from typing import Iterator, List, Sequence
 import torch
 
 from .backends import _detached, _EagerGraph
+from .discovery import autograd_edges
 
 
 class SegmentError(RuntimeError):
@@ -131,20 +132,11 @@ def mark_outside_uses(loss: torch.Tensor, calls: Sequence) -> int:
     if not targets:
         return 0
     marked = 0
-    seen = {id(root): root}
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            target = targets.get(id(nxt))
-            if target is not None and id(node) not in target[1] and not target[0].output_used_elsewhere:
-                target[0].output_used_elsewhere = True
-                marked += 1
-            if id(nxt) not in seen:
-                seen[id(nxt)] = nxt
-                stack.append(nxt)
+    for node, nxt in autograd_edges(root):
+        target = targets.get(id(nxt))
+        if target is not None and id(node) not in target[1] and not target[0].output_used_elsewhere:
+            target[0].output_used_elsewhere = True
+            marked += 1
     return marked
 
 
@@ -152,14 +144,9 @@ def _nodes_between(start, stop) -> dict:
     """``id -> node`` for the nodes reachable from ``start`` without passing through ``stop`` (a call's own
     autograd graph, from its output node back to its input's), wrappers kept alive."""
     found = {id(start): start}
-    stack = [start]
-    while stack:
-        node = stack.pop()
-        for nxt, _ in node.next_functions:
-            if nxt is None or nxt is stop or id(nxt) in found:
-                continue
+    for _, nxt in autograd_edges(start, stop=stop):
+        if nxt is not stop:
             found[id(nxt)] = nxt
-            stack.append(nxt)
     return found
 
 
