@@ -86,6 +86,16 @@ def test_cuda_block_applied_twice_with_recomputation():
     assert all(c["model.blocks.0.fc_in.weight"] == 2 and c["model.blocks.1.fc_in.weight"] == 1 for c in cg.ready_counts)
 
 
+def _two_gpu_pair(tmp_path, common, *cg_args):
+    """Lightning "ddp" and cudagraph_ddp (plus ``cg_args``) on 2 GPUs with the same train_parity.py arguments;
+    returns the cudagraph_ddp run's saved dict and its max relative loss and final-weight differences."""
+    from tests.helpers import train_subprocess
+
+    ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp", *common, timeout=280)
+    cg = train_subprocess(str(tmp_path / "cg.pt"), "--strategy", "cudagraph_ddp", *cg_args, *common, timeout=280)
+    return cg, max_rel_diff(cg["losses"], ref["losses"]), state_rel_diff(cg["state"], ref["state"])
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h200-x2)")
@@ -99,16 +109,11 @@ def test_two_gpu_nccl_parity(tmp_path, precision, deterministic, tol):
     seed differed by 9.9e-5 in loss and 2.4e-2 in blocks.0.qkv.weight, while cudagraph_ddp reproduced
     itself and one of those two runs bit for bit. With deterministic kernels the two strategies are equal
     (measured: 0 and 0), hence the 1e-6 bound. bf16-mixed keeps the fused kernels."""
-    from tests.helpers import train_subprocess
-
     common = ["--accelerator", "gpu", "--devices", "2", "--backend", "cuda", "--precision", precision, "--steps", "50",
               "--n-layer", "12", "--d-model", "256", "--n-head", "4", "--block-size", "128", "--batch-size", "8"]
     if deterministic:
         common.append("--deterministic")
-    ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp", *common, timeout=280)
-    cg = train_subprocess(str(tmp_path / "cg.pt"), "--strategy", "cudagraph_ddp", *common, timeout=280)
-    loss_diff = max_rel_diff(cg["losses"], ref["losses"])
-    weight_diff = state_rel_diff(cg["state"], ref["state"])
+    cg, loss_diff, weight_diff = _two_gpu_pair(tmp_path, common)
     print(f"2 GPUs {precision}{' deterministic' if deterministic else ''}: max rel loss diff {loss_diff:.2e}, "
           f"max rel weight diff {weight_diff:.2e}")
     assert cg["stats"]["forward_replays"] == 12 * 48
@@ -131,15 +136,11 @@ def test_two_gpu_small_gpt_parity(tmp_path, precision, kernels):
     after 50 steps, each about 0.4 from the math-attention run, and cudagraph_ddp was no farther from
     either "ddp" run than they were from each other (benchmarks/results/bf16_attention_2gpu_small_H200x2.md).
     With math attention the strategies are equal bit for bit (measured on 2 H200: 0 and 0)."""
-    from tests.helpers import train_subprocess
 
     common = ["--accelerator", "gpu", "--devices", "2", "--backend", "cuda", "--precision", precision, "--steps", "50",
               "--n-layer", "12", "--d-model", "768", "--n-head", "12", "--block-size", "512", "--batch-size", "8",
               kernels]
-    ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp", *common, timeout=280)
-    cg = train_subprocess(str(tmp_path / "cg.pt"), "--strategy", "cudagraph_ddp", *common, timeout=280)
-    loss_diff = max_rel_diff(cg["losses"], ref["losses"])
-    weight_diff = state_rel_diff(cg["state"], ref["state"])
+    cg, loss_diff, weight_diff = _two_gpu_pair(tmp_path, common)
     print(f"2 GPUs small GPT {precision} ({kernels}): max rel loss diff {loss_diff:.2e}, "
           f"max rel weight diff {weight_diff:.2e}")
     assert cg["stats"]["forward_replays"] == 12 * 48
@@ -155,15 +156,10 @@ def test_two_gpu_direct_grad_ready_segments_parity(tmp_path):
     the replays report the block parameters themselves, so buckets complete from inside the backward replay
     node and their all-reduces must still wait for the graph's main_grad writes (comm stream ordering). Both
     strategies with deterministic kernels, 30 steps: equal within 1e-6, every parameter ready once a step."""
-    from tests.helpers import train_subprocess
 
     common = ["--accelerator", "gpu", "--devices", "2", "--backend", "cuda", "--steps", "30", "--deterministic",
               "--n-layer", "12", "--d-model", "256", "--n-head", "4", "--block-size", "128", "--batch-size", "8"]
-    ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp", *common, timeout=280)
-    cg = train_subprocess(str(tmp_path / "cg.pt"), "--strategy", "cudagraph_ddp", "--direct-grad-ready", "--segments",
-                          *common, timeout=280)
-    loss_diff = max_rel_diff(cg["losses"], ref["losses"])
-    weight_diff = state_rel_diff(cg["state"], ref["state"])
+    cg, loss_diff, weight_diff = _two_gpu_pair(tmp_path, common, "--direct-grad-ready", "--segments")
     print(f"2 GPUs direct grad-ready + segments: {cg['stats']['direct_ready_params']} parameters, "
           f"max rel loss diff {loss_diff:.2e}, max rel weight diff {weight_diff:.2e}")
     assert cg["stats"]["direct_ready_params"] == 12 * 12

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 
 import cg_lightning
 from cg_lightning import SegmentError
@@ -140,17 +140,16 @@ class _ChainData(torch.utils.data.Dataset):
 
 
 
+class _ChainDM(LightningDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_ChainData(), batch_size=None)
+
+
 def _chain_fit(name, steps, **kwargs):
-    from lightning.pytorch import LightningDataModule
-
-    class DM(LightningDataModule):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(_ChainData(), batch_size=None)
-
     seed_everything(5, workers=True)
     model = _Chain(**kwargs)
     roles = _Roles()
-    rec, trainer = _fit(name, steps, model, DM(), callbacks=[roles])
+    rec, trainer = _fit(name, steps, model, _ChainDM(), callbacks=[roles])
     return model, rec, trainer, roles
 
 
@@ -217,15 +216,9 @@ def test_forward_pre_hook_added_after_capture_on_a_following_member_is_an_error(
             if trainer.global_step == WARMUP + 2:
                 pl_module.blocks[2].register_forward_pre_hook(lambda module, args: None)
 
-    from lightning.pytorch import LightningDataModule
-
-    class DM(LightningDataModule):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(_ChainData(), batch_size=None)
-
     seed_everything(5, workers=True)
     with pytest.raises(SegmentError, match=r"'blocks\.2'.*forward pre-hook"):
-        _fit("cg", 8, _Chain(), DM(), callbacks=[AddHookLater()])
+        _fit("cg", 8, _Chain(), _ChainDM(), callbacks=[AddHookLater()])
 
 
 @pytest.mark.parametrize("case", ["aux", "rng_between", "grad_hook"])
@@ -236,18 +229,12 @@ def test_what_the_first_micro_batch_of_each_step_shows_ends_the_segment(case):
     the first does; what every recorded micro-batch showed counts, so the segment ends at block 1 and
     training equals "ddp" (found by review helpers in session 5: ``SegmentError`` for the first and last,
     silently 4.9e-2 off "ddp" in loss for the random draw)."""
-    from lightning.pytorch import LightningDataModule
-
-    class DM(LightningDataModule):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(_ChainData(), batch_size=None)
-
     out = {}
     for name in ("ddp", "cg"):
         seed_everything(5, workers=True)
         roles = _Roles()
         model = _Chain(**{case: "even_batches"})
-        rec, _ = _fit(name, 6, model, DM(), callbacks=[roles], accumulate_grad_batches=2)
+        rec, _ = _fit(name, 6, model, _ChainDM(), callbacks=[roles], accumulate_grad_batches=2)
         out[name] = (model, rec, roles)
     (ref_model, ref, _), (model, rec, roles) = out["ddp"], out["cg"]
     assert roles.roles == SPLIT_AT_1, roles.roles
@@ -328,7 +315,6 @@ def test_layer_failing_in_a_later_graph_set_drops_the_sets_segments():
     set for the smaller last batch fails on block 2 (a host sync at that size only), which makes block 2
     eager everywhere. The full-batch set, whose segment contains block 2, is dropped and captured again
     without it; training equals "ddp" (it used to stop with an error)."""
-    from lightning.pytorch import LightningDataModule
 
     class SyncOnSmallBatch(nn.Module):
         def __init__(self, inner):
@@ -410,12 +396,6 @@ def test_each_call_is_captured_under_its_own_autocast_settings(segments, acceler
     captured and replayed under the autocast settings it was recorded with (capture happens inside the
     first block's call); training equals "ddp" within 1e-5. Without that, segments on CPU differed by
     3.7e-3, and on CUDA every per-layer graph was captured under the first call's settings."""
-    from lightning.pytorch import LightningDataModule
-
-    class DM(LightningDataModule):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(_ChainData(), batch_size=None)
-
     out = {}
     for name in ("ddp", "cg"):
         seed_everything(5, workers=True)
@@ -426,7 +406,7 @@ def test_each_call_is_captured_under_its_own_autocast_settings(segments, acceler
         trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=8, precision="bf16-mixed",
                           logger=False, enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[rec])
-        trainer.fit(model, datamodule=DM())
+        trainer.fit(model, datamodule=_ChainDM())
         out[name] = (model, rec, trainer)
     (ref_model, ref, _), (model, rec, trainer) = out["ddp"], out["cg"]
     assert trainer.strategy.last_graph_stats.forward_replays == 4 * (8 - WARMUP)
