@@ -61,6 +61,18 @@ class _Profiles(Callback):
             self.torch_prof.__exit__(None, None, None)
 
 
+
+# the graphs options of each cudagraph_ddp peer (as in benchmarks/peers/cudagraph_ddp.py; {} = the defaults)
+_OFF = {"capture_optimizer": False, "segments": False, "direct_grad_ready": False}
+OPTIONS_OF = {
+    "cudagraph_ddp": {},
+    "cudagraph_ddp_layers": _OFF,
+    "cudagraph_ddp_opt": {**_OFF, "capture_optimizer": True},
+    "cudagraph_ddp_seg": {**_OFF, "capture_optimizer": True, "segments": True},
+    "cudagraph_ddp_direct": {"capture_optimizer": True, "segments": True, "direct_grad_ready": True},
+    "cudagraph_ddp_glue": {"capture_optimizer": True, "segments": True, "direct_grad_ready": True},
+}
+
 def _device_busy_us(events) -> float:
     """Microseconds during which at least one kernel or copy ran on the device (intervals merged)."""
     spans = sorted(
@@ -84,9 +96,7 @@ def _device_busy_us(events) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    ap.add_argument("--peer", default="cudagraph_ddp", choices=["cudagraph_ddp", "cudagraph_ddp_opt", "cudagraph_ddp_seg",
-                                                           "cudagraph_ddp_direct", "cudagraph_ddp_glue",
-                                                           "lightning_ddp"])
+    ap.add_argument("--peer", default="cudagraph_ddp", choices=[*OPTIONS_OF, "lightning_ddp"])
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=35)
@@ -110,9 +120,7 @@ def main(argv=None) -> None:
         if a.peer.startswith("cudagraph_ddp"):
             import cg_lightning
 
-            graphs = {"warmup_steps": 2, "capture_optimizer": a.peer != "cudagraph_ddp",
-                      "segments": a.peer in ("cudagraph_ddp_seg", "cudagraph_ddp_direct", "cudagraph_ddp_glue"),
-                      "direct_grad_ready": a.peer in ("cudagraph_ddp_direct", "cudagraph_ddp_glue")}
+            graphs = {"warmup_steps": 2, **OPTIONS_OF[a.peer]}
             if a.peer == "cudagraph_ddp_glue":
                 from benchmarks.peers.cudagraph_ddp import GLUE_LAYERS
 

@@ -215,13 +215,13 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         """The optimizer's step graph once the layers replay and ``graphs.capture_optimizer`` is on; its groups
         are prepared here, before the one eager step that precedes capture."""
         manager = self.graph_manager
-        if manager is None or not self.graph_options.capture_optimizer:
+        if manager is None or self.graph_options.capture_optimizer is False:
             return None
         graph = self._optimizer_graphs.get(id(optimizer))
         if graph is None:
             if not manager.captured:
                 return None
-            graph = OptimizerStepGraph(optimizer, manager.backend)
+            graph = OptimizerStepGraph(optimizer, manager.backend, warn=self.graph_options.capture_optimizer is True)
             self._optimizer_graphs[id(optimizer)] = graph
             reason = optimizer_refusal(optimizer, manager.backend.name)
             if reason is None and getattr(self.precision_plugin, "scaler", None) is not None:

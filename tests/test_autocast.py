@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 
 import cg_lightning
+from cg_lightning import SegmentError
 from cg_lightning import CheckpointWithoutOutput
 from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff
 
@@ -164,7 +165,7 @@ def test_a_call_whose_autocast_changed_after_capture_does_not_replay(reverse):
         seed_everything(3)
         model = _SwitchesAutocast(reverse)
         strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
-            graphs={"warmup_steps": 2, "backend": "eager"})
+            graphs={"warmup_steps": 2, "backend": "eager", "segments": False})
         rec = GradRecorder()
         trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, precision="bf16-mixed",
                           logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -182,3 +183,16 @@ def test_a_call_whose_autocast_changed_after_capture_does_not_replay(reverse):
     assert stats.forward_replays == 3 * (4 - 2) + 2 * (8 - 4)
     assert max_rel_diff(rec.losses, ref.losses) < 1e-6
     assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-6
+
+
+def test_autocast_change_inside_a_segment_after_capture_is_an_error_naming_the_layer():
+    """With segments (the default) blocks 0-2 chain into one segment whose graphs already ran for the pass
+    when blocks.2 is called under other autocast settings: it cannot fall back alone, so ``SegmentError``
+    names the layer and both settings, instead of replaying the old kernels."""
+    seed_everything(3)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=8, precision="bf16-mixed", logger=False,
+                      strategy=cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager"}),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    match = r"(?s)'blocks\.2'.*autocast: captured disabled, got enabled for cpu bfloat16"
+    with pytest.raises(SegmentError, match=match):
+        trainer.fit(_SwitchesAutocast(False))

@@ -1,10 +1,9 @@
-"""Peers ``cudagraph_ddp``, ``cudagraph_ddp_opt``, ``cudagraph_ddp_seg`` and ``cudagraph_ddp_direct``: Lightning
-with ``cg_lightning.CUDAGraphDDPStrategy`` (per-layer graphs on the blocks); ``_opt`` also replays the optimizer
-step from a graph (``graphs.capture_optimizer=True``); ``_seg`` does that and captures the chained blocks as
-one segment (``graphs.segments=True``: one graph launch per direction); ``_direct`` does that and lets the
-replays report their own parameters ready (``graphs.direct_grad_ready=True``: no autograd edge,
-``AccumulateGrad`` node or hook per block parameter); ``_glue`` does that with the embeddings, final norm
-and head graphed too (``graphs.layers``)."""
+"""Peers ``cudagraph_ddp`` (the strategy's defaults: per-layer graphs on the blocks, the optimizer step, segments
+and direct grad-ready), ``cudagraph_ddp_layers`` (per-layer graphs only: ``capture_optimizer``, ``segments`` and
+``direct_grad_ready`` off), ``cudagraph_ddp_opt`` (that plus the optimizer step replayed from a graph),
+``cudagraph_ddp_seg`` (that plus the chained blocks as one segment: one graph launch per direction),
+``cudagraph_ddp_direct`` (that plus the replays reporting their own parameters ready: the defaults, set
+explicitly) and ``cudagraph_ddp_glue`` (that with the embeddings, final norm and head graphed too)."""
 
 from __future__ import annotations
 
@@ -17,16 +16,17 @@ from benchmarks.peers import Peer
 GLUE_LAYERS = ["model.tok_emb", "model.pos_emb", "model.blocks.*", "model.ln_f", "model.lm_head"]
 
 
-def run(s: RunSettings, capture_optimizer: bool = False, segments: bool = False, direct: bool = False,
-        layers=None) -> PeerResult:
+def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, layers=None) -> PeerResult:
+    """An option left ``None`` takes the strategy's default."""
     import cg_lightning
     from benchmarks.peers._lightning import fit_timed
 
     from benchmarks.common import PROCESS_GROUP_TIMEOUT
 
+    chosen = {"capture_optimizer": capture_optimizer, "segments": segments, "direct_grad_ready": direct}
     strategy = cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"warmup_steps": s.cg_warmup_steps, "capture_optimizer": capture_optimizer, "segments": segments,
-                "direct_grad_ready": direct, "layers": layers},
+        graphs={"warmup_steps": s.cg_warmup_steps, "layers": layers,
+                **{k: v for k, v in chosen.items() if v is not None}},
         timeout=PROCESS_GROUP_TIMEOUT,
     )
     timing, trainer = fit_timed(s, strategy)
@@ -40,7 +40,7 @@ def run(s: RunSettings, capture_optimizer: bool = False, segments: bool = False,
         capture_s = float(stats.capture_seconds)
         if s.is_cuda and stats.backend != "cuda":
             notes.append(f"graph backend {stats.backend!r} on a GPU")
-        if capture_optimizer and s.is_cuda and not extra["optimizer_replays"]:
+        if capture_optimizer is not False and s.is_cuda and not extra["optimizer_replays"]:
             notes.append("the optimizer step was never replayed from a graph")
         if getattr(stats, "fallback_calls", 0):
             notes.append(f"{stats.fallback_calls} layer calls fell back to eager")
@@ -60,20 +60,30 @@ def run(s: RunSettings, capture_optimizer: bool = False, segments: bool = False,
 
 PEER = Peer("cudagraph_ddp", run, needs_cuda=False,
             description='Lightning Trainer(strategy=cg_lightning.CUDAGraphDDPStrategy(), devices=1, '
-                        'precision="bf16-mixed"): per-layer CUDA graphs on the blocks (eager graph backend on CPU)')
+                        'precision="bf16-mixed") with its defaults: per-layer CUDA graphs on the blocks chained '
+                        'into segments, the optimizer step replayed, direct grad-ready (eager graph backend on CPU)')
+
+
+def run_layers(s: RunSettings) -> PeerResult:
+    return run(s, capture_optimizer=False, segments=False, direct=False)
+
+
+PEER_LAYERS = Peer("cudagraph_ddp_layers", run_layers, needs_cuda=False,
+                   description="cudagraph_ddp with graphs.capture_optimizer, graphs.segments and "
+                               "graphs.direct_grad_ready off: one graph per block call and direction")
 
 
 def run_with_optimizer(s: RunSettings) -> PeerResult:
-    return run(s, capture_optimizer=True)
+    return run(s, capture_optimizer=True, segments=False, direct=False)
 
 
 PEER_OPT = Peer("cudagraph_ddp_opt", run_with_optimizer, needs_cuda=False,
-                description="as cudagraph_ddp, plus graphs.capture_optimizer=True: the AdamW step replayed from a "
-                            "graph (learning rate as a device tensor)")
+                description="as cudagraph_ddp_layers, plus graphs.capture_optimizer=True: the AdamW step replayed "
+                            "from a graph (learning rate as a device tensor)")
 
 
 def run_with_segments(s: RunSettings) -> PeerResult:
-    return run(s, capture_optimizer=True, segments=True)
+    return run(s, capture_optimizer=True, segments=True, direct=False)
 
 
 PEER_SEG = Peer("cudagraph_ddp_seg", run_with_segments, needs_cuda=False,

@@ -37,7 +37,9 @@ class GraphOptions:
         on_capture_error: a layer whose capture raises ``GraphCaptureError``: ``"raise"`` stops training
             (the message names the layer), ``"eager"`` runs that layer eagerly from then on (one warning
             naming the layer and the cause) and captures the other layers without it.
-        capture_optimizer: also capture ``optimizer.step()`` (Lightning strategy): once the layers replay,
+        capture_optimizer: ``None`` (default): capture the optimizer step where it can be (below), else run it
+            eagerly without a warning; ``True``: the same, but a refusal warns; ``False``: never.
+            Capturing ``optimizer.step()`` (Lightning strategy only): once the layers replay,
             one eager step with ``capturable=True`` (CUDA), then the step is captured and replayed every step.
             Needs an optimizer with a ``capturable`` option (Adam, AdamW, NAdam, RAdam, Adamax, RMSprop, ...;
             not SGD). ``group["lr"]`` stays a float that LR schedulers change as usual; it is copied into the
@@ -82,10 +84,10 @@ class GraphOptions:
     shape_policy: str = "eager"
     max_graph_sets: int = 4
     on_capture_error: str = "raise"
-    capture_optimizer: bool = False
-    segments: bool = False
+    capture_optimizer: Optional[bool] = None
+    segments: bool = True
     capture_eval: bool = False
-    direct_grad_ready: bool = False
+    direct_grad_ready: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -54,7 +54,10 @@ def main() -> None:
         return
     torch.manual_seed(0)
     model = em.Stack(em.SeedLayer, 16, 4, recompute=True).to(device)
-    options = GraphOptions(warmup_steps=1, backend="cuda" if a.device == "cuda" else "eager", layers=["layers.*"])
+    # "missing" skips a layer on one rank: inside a segment that rank would stop at the next layer's call
+    # (SegmentError) before the engine's missing-gradient error this scenario is about
+    options = GraphOptions(warmup_steps=1, backend="cuda" if a.device == "cuda" else "eager", layers=["layers.*"],
+                           segments=a.scenario != "missing")
     manager = GraphManager(model, options, device)
     engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=16 * 17 * 4 / 2**20, timeout_s=a.timeout_s),
                                 grad_accumulator_stream=getattr(manager.backend, "stream", None))
