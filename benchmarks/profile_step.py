@@ -63,15 +63,15 @@ class _Profiles(Callback):
 
 
 # the graphs options of each cudagraph_ddp peer (as in benchmarks/peers/cudagraph_ddp.py; {} = the defaults)
-_OFF = {"capture_optimizer": False, "segments": False, "direct_grad_ready": False}
+_OFF = {"segments": False, "direct_grad_ready": False, "cached_optimizer_step": False}
 OPTIONS_OF = {
     "cudagraph_ddp": {},
     "cudagraph_ddp_layers": _OFF,
-    "cudagraph_ddp_opt": {**_OFF, "capture_optimizer": True},
-    "cudagraph_ddp_seg": {**_OFF, "capture_optimizer": True, "segments": True},
-    "cudagraph_ddp_direct": {"capture_optimizer": True, "segments": True, "direct_grad_ready": True},
-    "cudagraph_ddp_glue": {"capture_optimizer": True, "segments": True, "direct_grad_ready": True},
+    "cudagraph_ddp_nocache": {"cached_optimizer_step": False},
+    "cudagraph_ddp_opt": {"capture_optimizer": True},
+    "cudagraph_ddp_glue": {},
 }
+
 
 def _device_busy_us(events) -> float:
     """Microseconds during which at least one kernel or copy ran on the device (intervals merged)."""

@@ -1,4 +1,4 @@
-"""Step time of the example GPT under eight training setups, side by side in one process.
+"""Step time of the example GPT under ten training setups, side by side in one process.
 
 On a GPU, from the repository root::
 
@@ -13,11 +13,11 @@ Peers (same GPT, random-token data, bf16 autocast over fp32 weights, AdamW(fused
 * ``torch_ddp_graphed``: the same with ``torch.cuda.make_graphed_callables`` on every block.
 * ``compile_reduce_overhead``: ``torch.compile(model, mode="reduce-overhead")``, plain loop.
 * ``whole_step_graph``: forward, backward and optimizer step in one CUDA graph (the limit).
-* ``cudagraph_ddp``: Lightning with this project's strategy; ``cudagraph_ddp_opt``: the same with the optimizer step
-  replayed from a graph (``graphs.capture_optimizer=True``); ``cudagraph_ddp_seg``: that plus the chained blocks
-  captured as one segment (``graphs.segments=True``); ``cudagraph_ddp_direct``: that plus
-  ``graphs.direct_grad_ready=True`` (block parameters reported ready by their replay, no autograd edges);
-  ``cudagraph_ddp_glue``: that plus the embeddings, final norm and head graphed (``graphs.layers``).
+* ``cudagraph_ddp``: Lightning with this project's strategy and its defaults (segments, direct grad-ready, the
+  fused AdamW step on cached tensor lists); ``cudagraph_ddp_layers``: one graph per block call, those three off;
+  ``cudagraph_ddp_nocache``: the defaults with ``optimizer.step()`` as is; ``cudagraph_ddp_opt``: the defaults
+  plus the optimizer step replayed from a graph (``graphs.capture_optimizer=True``, opt-in: not bit-exact);
+  ``cudagraph_ddp_glue``: the defaults plus the embeddings, final norm and head graphed (``graphs.layers``).
 
 Each peer runs ``--warmup`` steps, then ``--repeats`` windows of ``--steps`` steps; the device is synchronized at
 window boundaries only. Reported per size and peer: median ms/step, min/max over the windows, ratios to

@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from .ddp import DataParallelEngine, DDPOptions
 from .graphs import GraphManager, GraphOptions
 from .graphs.optimizer_step import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
+from .graphs.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
 from .graphs.optimizer_step import OptimizerStepGraph, optimizer_refusal, step_replaced
 from .options import as_options
 
@@ -84,6 +85,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         self.graph_manager: Optional[GraphManager] = None
         self.last_graph_stats = None  # GraphStats of the last fit, kept after teardown
         self._optimizer_graphs: Dict[int, OptimizerStepGraph] = {}  # id(optimizer) -> its step graph
+        self._cached_steps: Dict[int, Optional[CachedFusedAdamStep]] = {}  # id(optimizer) -> cached fused step
+        self.last_cached_optimizer_steps = 0  # optimizer steps taken on cached lists in the last fit
         self.last_optimizer_replays = 0  # optimizer steps replayed from a graph in the last fit
         self._grads_unconsumed = False  # a finished window's main_grad not yet zeroed by an optimizer step
 
@@ -201,8 +204,12 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         graph = self._optimizer_graph(optimizer)
+        cached = self._cached_step(optimizer)
         if graph is not None and graph.phase in OPTIMIZER_GRAPH_ACTIVE:
             with step_replaced(optimizer, graph.step):
+                out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        elif cached is not None and (graph is None or graph.phase == "eager"):
+            with step_replaced(optimizer, cached.step):
                 out = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -215,13 +222,13 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         """The optimizer's step graph once the layers replay and ``graphs.capture_optimizer`` is on; its groups
         are prepared here, before the one eager step that precedes capture."""
         manager = self.graph_manager
-        if manager is None or self.graph_options.capture_optimizer is False:
+        if manager is None or not self.graph_options.capture_optimizer:
             return None
         graph = self._optimizer_graphs.get(id(optimizer))
         if graph is None:
             if not manager.captured:
                 return None
-            graph = OptimizerStepGraph(optimizer, manager.backend, warn=self.graph_options.capture_optimizer is True)
+            graph = OptimizerStepGraph(optimizer, manager.backend)
             self._optimizer_graphs[id(optimizer)] = graph
             reason = optimizer_refusal(optimizer, manager.backend.name)
             if reason is None and getattr(self.precision_plugin, "scaler", None) is not None:
@@ -236,6 +243,21 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             else:
                 graph.prepare()
         return graph
+
+    def _cached_step(self, optimizer: Optimizer) -> Optional[CachedFusedAdamStep]:
+        """The cached fused Adam/AdamW step (``graphs.cached_optimizer_step``) for ``optimizer``, or ``None`` where
+        it does not apply (option off, graphs off, another optimizer)."""
+        if self.graph_manager is None or not self.graph_options.cached_optimizer_step:
+            return None
+        key = id(optimizer)
+        if key not in self._cached_steps:
+            self._cached_steps[key] = None if fused_adam_refusal(optimizer) else CachedFusedAdamStep(optimizer)
+        return self._cached_steps[key]
+
+    @property
+    def cached_optimizer_steps(self) -> int:
+        """Optimizer steps taken on cached tensor lists so far in this fit (``graphs.cached_optimizer_step``)."""
+        return sum(c.cached_steps for c in self._cached_steps.values() if c is not None)
 
     @property
     def optimizer_replays(self) -> int:
@@ -253,6 +275,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
     # ----------------------------------------------------------------- teardown
     def teardown(self) -> None:
         self.last_optimizer_replays = self.optimizer_replays
+        self.last_cached_optimizer_steps = self.cached_optimizer_steps
+        self._cached_steps = {}
         for graph in self._optimizer_graphs.values():
             if graph.phase in OPTIMIZER_GRAPH_ACTIVE:
                 graph.restore()

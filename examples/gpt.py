@@ -245,6 +245,10 @@ class GPTLightningModule(LightningModule):
         betas: AdamW betas; a list (e.g. from YAML) is converted to a tuple.
         warmup_lr_steps: if > 0, the LR is ramped linearly over that many
             optimiser steps by a per-step ``LambdaLR``.
+        fused: ``torch.optim.AdamW(fused=...)``; ``None`` lets torch choose
+            (``foreach`` on CUDA). ``True`` runs one fused kernel per step, and
+            lets ``cudagraph_ddp`` call it on cached tensor lists
+            (``graphs.cached_optimizer_step``).
         recompute_loss: compute the head and the loss under activation
             recomputation (:func:`cg_lightning.checkpoint`), so the ``(B, T, V)``
             logits are not kept for the backward. With ``tie_weights`` the shared
@@ -269,6 +273,7 @@ class GPTLightningModule(LightningModule):
         weight_decay: float = 0.0,
         betas: Sequence[float] = (0.9, 0.95),
         warmup_lr_steps: int = 0,
+        fused: bool | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -278,6 +283,7 @@ class GPTLightningModule(LightningModule):
         if len(self.betas) != 2:
             raise ValueError(f"betas must have two entries, got {betas!r}")
         self.warmup_lr_steps = int(warmup_lr_steps)
+        self.fused = fused
         self.model = GPT(
             vocab_size=vocab_size,
             block_size=block_size,
@@ -327,7 +333,7 @@ class GPTLightningModule(LightningModule):
             {"params": decay, "weight_decay": self.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        opt = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        opt = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, fused=self.fused)
         if self.warmup_lr_steps > 0:
             sched = torch.optim.lr_scheduler.LambdaLR(opt, _LinearWarmup(self.warmup_lr_steps))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -39,9 +39,8 @@ def all_peers() -> Dict[str, Peer]:
         whole_step_graph.PEER,
         cudagraph_ddp.PEER,
         cudagraph_ddp.PEER_LAYERS,
+        cudagraph_ddp.PEER_NOCACHE,
         cudagraph_ddp.PEER_OPT,
-        cudagraph_ddp.PEER_SEG,
-        cudagraph_ddp.PEER_DIRECT,
         cudagraph_ddp.PEER_GLUE,
     ]
     return {p.name: p for p in peers}
@@ -55,8 +54,7 @@ PEER_NAMES = (
     "whole_step_graph",
     "cudagraph_ddp",
     "cudagraph_ddp_layers",
+    "cudagraph_ddp_nocache",
     "cudagraph_ddp_opt",
-    "cudagraph_ddp_seg",
-    "cudagraph_ddp_direct",
     "cudagraph_ddp_glue",
 )

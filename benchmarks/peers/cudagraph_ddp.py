@@ -1,9 +1,9 @@
-"""Peers ``cudagraph_ddp`` (the strategy's defaults: per-layer graphs on the blocks, the optimizer step, segments
-and direct grad-ready), ``cudagraph_ddp_layers`` (per-layer graphs only: ``capture_optimizer``, ``segments`` and
-``direct_grad_ready`` off), ``cudagraph_ddp_opt`` (that plus the optimizer step replayed from a graph),
-``cudagraph_ddp_seg`` (that plus the chained blocks as one segment: one graph launch per direction),
-``cudagraph_ddp_direct`` (that plus the replays reporting their own parameters ready: the defaults, set
-explicitly) and ``cudagraph_ddp_glue`` (that with the embeddings, final norm and head graphed too)."""
+"""Peers ``cudagraph_ddp`` (the strategy's defaults: per-layer graphs on the blocks chained into segments,
+direct grad-ready, the fused AdamW step on cached tensor lists), ``cudagraph_ddp_layers`` (per-layer graphs
+only: ``segments``, ``direct_grad_ready`` and ``cached_optimizer_step`` off), ``cudagraph_ddp_nocache`` (the
+defaults without ``cached_optimizer_step``: what the cached step saves), ``cudagraph_ddp_opt`` (the defaults
+plus ``capture_optimizer``: the step replayed from a graph, opt-in because not bit-exact) and
+``cudagraph_ddp_glue`` (the defaults with the embeddings, final norm and head graphed too)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ from benchmarks.peers import Peer
 GLUE_LAYERS = ["model.tok_emb", "model.pos_emb", "model.blocks.*", "model.ln_f", "model.lm_head"]
 
 
-def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, layers=None) -> PeerResult:
+def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, cached=None, layers=None) -> PeerResult:
     """An option left ``None`` takes the strategy's default."""
     import cg_lightning
     from benchmarks.peers._lightning import fit_timed
 
     from benchmarks.common import PROCESS_GROUP_TIMEOUT
 
-    chosen = {"capture_optimizer": capture_optimizer, "segments": segments, "direct_grad_ready": direct}
+    chosen = {"capture_optimizer": capture_optimizer, "segments": segments, "direct_grad_ready": direct,
+              "cached_optimizer_step": cached}
     strategy = cg_lightning.CUDAGraphDDPStrategy(
         graphs={"warmup_steps": s.cg_warmup_steps, "layers": layers,
                 **{k: v for k, v in chosen.items() if v is not None}},
@@ -32,7 +33,8 @@ def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, laye
     timing, trainer = fit_timed(s, strategy)
     stats = getattr(trainer.strategy, "last_graph_stats", None)
     extra = {"graph_warmup_steps": s.cg_warmup_steps,
-             "optimizer_replays": getattr(trainer.strategy, "last_optimizer_replays", 0)}
+             "optimizer_replays": getattr(trainer.strategy, "last_optimizer_replays", 0),
+             "cached_optimizer_steps": getattr(trainer.strategy, "last_cached_optimizer_steps", 0)}
     notes = []
     capture_s = None
     if stats is not None:
@@ -40,8 +42,10 @@ def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, laye
         capture_s = float(stats.capture_seconds)
         if s.is_cuda and stats.backend != "cuda":
             notes.append(f"graph backend {stats.backend!r} on a GPU")
-        if capture_optimizer is not False and s.is_cuda and not extra["optimizer_replays"]:
+        if capture_optimizer and s.is_cuda and not extra["optimizer_replays"]:
             notes.append("the optimizer step was never replayed from a graph")
+        if cached is not False and not capture_optimizer and s.is_cuda and not extra["cached_optimizer_steps"]:
+            notes.append("the optimizer step never ran on cached lists")
         if getattr(stats, "fallback_calls", 0):
             notes.append(f"{stats.fallback_calls} layer calls fell back to eager")
     else:
@@ -61,49 +65,41 @@ def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, laye
 PEER = Peer("cudagraph_ddp", run, needs_cuda=False,
             description='Lightning Trainer(strategy=cg_lightning.CUDAGraphDDPStrategy(), devices=1, '
                         'precision="bf16-mixed") with its defaults: per-layer CUDA graphs on the blocks chained '
-                        'into segments, the optimizer step replayed, direct grad-ready (eager graph backend on CPU)')
+                        'into segments, direct grad-ready, the fused AdamW step on cached tensor lists (eager graph '
+                        'backend on CPU)')
 
 
 def run_layers(s: RunSettings) -> PeerResult:
-    return run(s, capture_optimizer=False, segments=False, direct=False)
+    return run(s, segments=False, direct=False, cached=False)
 
 
 PEER_LAYERS = Peer("cudagraph_ddp_layers", run_layers, needs_cuda=False,
-                   description="cudagraph_ddp with graphs.capture_optimizer, graphs.segments and "
-                               "graphs.direct_grad_ready off: one graph per block call and direction")
+                   description="cudagraph_ddp with graphs.segments, graphs.direct_grad_ready and "
+                               "graphs.cached_optimizer_step off: one graph per block call and direction, "
+                               "optimizer.step() as is")
+
+
+def run_nocache(s: RunSettings) -> PeerResult:
+    return run(s, cached=False)
+
+
+PEER_NOCACHE = Peer("cudagraph_ddp_nocache", run_nocache, needs_cuda=False,
+                    description="cudagraph_ddp with graphs.cached_optimizer_step off: optimizer.step() as is")
 
 
 def run_with_optimizer(s: RunSettings) -> PeerResult:
-    return run(s, capture_optimizer=True, segments=False, direct=False)
+    return run(s, capture_optimizer=True)
 
 
 PEER_OPT = Peer("cudagraph_ddp_opt", run_with_optimizer, needs_cuda=False,
-                description="as cudagraph_ddp_layers, plus graphs.capture_optimizer=True: the AdamW step replayed "
-                            "from a graph (learning rate as a device tensor)")
-
-
-def run_with_segments(s: RunSettings) -> PeerResult:
-    return run(s, capture_optimizer=True, segments=True, direct=False)
-
-
-PEER_SEG = Peer("cudagraph_ddp_seg", run_with_segments, needs_cuda=False,
-                description="as cudagraph_ddp_opt, plus graphs.segments=True: the chained blocks captured as one "
-                            "forward and one backward graph")
-
-
-def run_direct(s: RunSettings) -> PeerResult:
-    return run(s, capture_optimizer=True, segments=True, direct=True)
-
-
-PEER_DIRECT = Peer("cudagraph_ddp_direct", run_direct, needs_cuda=False,
-                   description="as cudagraph_ddp_seg, plus graphs.direct_grad_ready=True: block parameters reported "
-                               "ready by their replay, without autograd edges")
+                description="cudagraph_ddp plus graphs.capture_optimizer=True: the AdamW step replayed from a graph "
+                            "(capturable, learning rate as a device tensor; opt-in, not bit-exact)")
 
 
 def run_glue(s: RunSettings) -> PeerResult:
-    return run(s, capture_optimizer=True, segments=True, direct=True, layers=GLUE_LAYERS)
+    return run(s, layers=GLUE_LAYERS)
 
 
 PEER_GLUE = Peer("cudagraph_ddp_glue", run_glue, needs_cuda=False,
-                 description="as cudagraph_ddp_direct, plus the glue graphed too: graphs.layers = the embeddings, "
+                 description="cudagraph_ddp with the glue graphed too: graphs.layers = the embeddings, "
                              "the blocks, the final norm and the head (the loss stays eager)")

@@ -104,7 +104,7 @@ class GraphMonitor(Callback):
         pl_module.log("graphs/sets", float(stats.graph_sets), on_step=True)
         pl_module.log("graphs/pool_bytes", float(stats.pool_bytes), on_step=True)
         strategy = trainer.strategy
-        if getattr(getattr(strategy, "graph_options", None), "capture_optimizer", False) is not False:
+        if getattr(getattr(strategy, "graph_options", None), "capture_optimizer", False):
             pl_module.log("graphs/optimizer_replays", float(strategy.optimizer_replays), on_step=True)
         if getattr(getattr(strategy, "graph_options", None), "capture_eval", False):
             pl_module.log("graphs/eval_replays", float(stats.eval_replays), on_step=True)

@@ -85,10 +85,9 @@ class OptimizerStepGraph:
     ``UserWarning`` says why. Capture errors (an optimizer doing host work inside ``step``) propagate.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, backend, warn: bool = True) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, backend) -> None:
         self.optimizer = optimizer
         self.backend = backend
-        self.warn = warn  # warn when the step falls back to eager
         self.phase = "off"
         self.replays = 0
         self.reason: Optional[str] = None
@@ -128,8 +127,7 @@ class OptimizerStepGraph:
         if self.phase in ACTIVE:
             self.restore()
         self.phase = "eager"
-        if self.warn:  # graphs.capture_optimizer=true asked for it; the default (None) falls back silently
-            warnings.warn(f"cg_lightning: the optimizer step runs eagerly from now on: {reason}.", stacklevel=3)
+        warnings.warn(f"cg_lightning: the optimizer step runs eagerly from now on: {reason}.", stacklevel=3)
 
     def state_dict_view(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """``optimizer.state_dict()`` output with each group's ``capturable`` as the user set it (groups added

@@ -37,18 +37,24 @@ class GraphOptions:
         on_capture_error: a layer whose capture raises ``GraphCaptureError``: ``"raise"`` stops training
             (the message names the layer), ``"eager"`` runs that layer eagerly from then on (one warning
             naming the layer and the cause) and captures the other layers without it.
-        capture_optimizer: ``None`` (default): capture the optimizer step where it can be (below), else run it
-            eagerly without a warning; ``True``: the same, but a refusal warns; ``False``: never.
-            Capturing ``optimizer.step()`` (Lightning strategy only): once the layers replay,
+        capture_optimizer: also capture ``optimizer.step()`` (Lightning strategy): once the layers replay,
             one eager step with ``capturable=True`` (CUDA), then the step is captured and replayed every step.
             Needs an optimizer with a ``capturable`` option (Adam, AdamW, NAdam, RAdam, Adamax, RMSprop, ...;
             not SGD). ``group["lr"]`` stays a float that LR schedulers change as usual; it is copied into the
             graph's device tensor before each replay. Refused, with one warning and eager steps, under
             16-mixed's GradScaler, with optimizer step hooks or a ``ddp.grad_dtype`` other than the
             parameters', and from the first step whose gradients, param groups or non-``lr``
-            hyperparameters differ from the captured ones. The capturable step computes its bias
-            corrections on the device in float32: equal to eager within 1e-5 over short runs, but long
-            runs drift as with any change of kernels.
+            hyperparameters differ from the captured ones. Off by default because it is not bit-exact:
+            the capturable code path computes the bias corrections (foreach) or reads the learning rate
+            (fused) in float32 on the device, where ``optimizer.step()`` uses Python floats; a parameter
+            whose true gradient is zero (a key bias under softmax) then takes AdamW steps of either sign,
+            and weights drift from eager training (measured 2e-5 to 1e-2 relative over 50 steps).
+        cached_optimizer_step: for a ``torch.optim.Adam``/``AdamW`` built with ``fused=True`` (Lightning
+            strategy), call its fused kernels on tensor lists kept from the previous step instead of
+            ``optimizer.step()`` rebuilding them over every parameter (:mod:`.fused_adam_step`): the same
+            kernels with the same arguments, so bit-identical, with a fraction of the host time. Any change
+            to the groups, gradients, state, hooks or a GradScaler makes that step an ordinary one. Other
+            optimizers step as usual. Ignored when ``capture_optimizer`` captures the step.
         segments: capture consecutive graphed calls that feed each other (call k+1's only argument is call
             k's output, as in ``for block in blocks: x = block(x)``) as one forward and one backward graph:
             one graph launch per direction instead of one per layer, and no input copies between them.
@@ -84,7 +90,8 @@ class GraphOptions:
     shape_policy: str = "eager"
     max_graph_sets: int = 4
     on_capture_error: str = "raise"
-    capture_optimizer: Optional[bool] = None
+    capture_optimizer: bool = False
+    cached_optimizer_step: bool = True
     segments: bool = True
     capture_eval: bool = False
     direct_grad_ready: bool = True

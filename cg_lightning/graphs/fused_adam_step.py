@@ -1,0 +1,154 @@
+"""A fused Adam/AdamW step on tensor lists kept from one step to the next: the same kernels, with the same
+arguments, as ``optimizer.step()``, without torch's Python over every parameter.
+
+``torch.optim.Adam(fused=True).step()`` spends most of its host time building lists: ``_init_group`` visits
+every parameter (its ``.grad``, its state dict, three appends), then the lists are grouped by device and
+dtype, and only then do two calls launch the work (``torch._foreach_add_`` on the step counts and
+``torch._fused_adam_``/``torch._fused_adamw_``). Under this project's DDP engine the gradients are views of
+``main_grad`` and the optimizer state tensors never move, so those lists are the same every step. This class
+builds them once, after one ordinary step, and from then on makes only the two calls per device/dtype group,
+reading the learning rate, betas, eps, weight decay, ``amsgrad`` and ``maximize`` from the groups at every
+step as ``step()`` does. The result is bit-identical to ``optimizer.step()`` (same kernels, same scalar
+arguments, same per-tensor math; grouping does not change any element's arithmetic), unlike a captured step
+(``graphs.capture_optimizer``), whose ``capturable`` code path computes in float32 on the device.
+
+Before every step it checks, by identity, that nothing it cached changed; if anything did, that step is an
+ordinary ``optimizer.step()`` and the lists are rebuilt after it:
+
+* ``optimizer.param_groups``, each group dict, each group's ``params`` list and ``optimizer.state`` are the
+  same objects (``add_param_group`` and ``load_state_dict`` replace them);
+* every parameter's ``.grad`` is the tensor seen when the lists were built (or still ``None``);
+* the step is plain: no step hooks, no GradScaler attributes (``grad_scale``/``found_inf``), every group
+  ``fused`` and not ``differentiable``, ``lr`` and ``betas`` Python numbers.
+
+Only ``torch.optim.Adam`` and ``torch.optim.AdamW`` themselves qualify (a subclass may override ``step``).
+Idea: what Apex's and Megatron-LM's fused optimizers do by keeping flat parameter lists across steps; here
+the lists feed torch's own fused kernels (``torch._fused_adamw_``, pytorch/pytorch#115970 for the tensor-list
+API).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from .optimizer_step import _has_step_hooks
+
+def fused_adam_refusal(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why ``optimizer``'s step cannot take the cached path at all, or ``None`` if it can (per-step conditions
+    are checked by :meth:`CachedFusedAdamStep.step`)."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"{type(optimizer).__name__} is not torch.optim.Adam or AdamW"
+    if not all(g.get("fused") for g in optimizer.param_groups):
+        return "the optimizer was not built with fused=True"
+    return None
+
+
+class _Group:
+    """One param group's cached lists, grouped by (device, dtype) as ``torch.optim.adam._fused_adam`` does."""
+
+    __slots__ = ("group", "params", "grads", "buckets")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: dict) -> None:
+        self.group = group
+        self.params = group["params"]
+        self.grads = [p.grad for p in self.params]
+        with_grad = [p for p in self.params if p.grad is not None]
+        state = optimizer.state
+        lists: List[List[torch.Tensor]] = [
+            with_grad,
+            [p.grad for p in with_grad],
+            [state[p]["exp_avg"] for p in with_grad],
+            [state[p]["exp_avg_sq"] for p in with_grad],
+            [state[p]["max_exp_avg_sq"] for p in with_grad] if group["amsgrad"] else [],
+            [state[p]["step"] for p in with_grad],
+        ]
+        if not with_grad:
+            self.buckets: List[Tuple[List[torch.Tensor], ...]] = []
+            return
+        grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(lists)
+        self.buckets = [tuple(tensors) for (_, (tensors, _)) in grouped.items()]
+
+    def unchanged(self) -> bool:
+        params = self.group["params"]
+        return params is self.params and len(params) == len(self.grads) and all(
+            map(operator.is_, [p.grad for p in params], self.grads))
+
+
+class CachedFusedAdamStep:
+    """``optimizer.step(closure)`` for a fused ``torch.optim.Adam``/``AdamW``, on cached tensor lists.
+
+    Args:
+        optimizer: ``torch.optim.Adam`` or ``torch.optim.AdamW`` with ``fused=True`` (CUDA or CPU tensors);
+            see :func:`fused_adam_refusal`.
+
+    Attributes:
+        cached_steps: steps taken on the cached lists (the others were ordinary ``optimizer.step()`` calls).
+
+    Errors: none of its own; a step that does not meet the conditions in the module docstring is an
+    ordinary ``optimizer.step()``, which raises what torch raises.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.cached_steps = 0
+        self._groups: Optional[List[_Group]] = None
+        self._param_groups: Optional[list] = None
+        self._state: Any = None
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Run ``closure`` (with grad enabled, as ``Adam.step`` does), then the update: on the cached lists
+        when they still describe the optimizer, else an ordinary step after which the lists are rebuilt."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        opt = self.optimizer
+        if self._usable():
+            with torch.no_grad():
+                for cached in self._groups:
+                    _fused_update(opt, cached.group, cached.buckets)
+            self.cached_steps += 1
+            return loss
+        type(opt).step(opt)  # hooks, lazy state, GradScaler arguments: torch's own path
+        self._groups = None
+        if self._plain():
+            self._groups = [_Group(opt, g) for g in opt.param_groups]
+            self._param_groups, self._state = opt.param_groups, opt.state
+        return loss
+
+    def _plain(self) -> bool:
+        """Conditions on the optimizer as a whole and on each group's settings (cheap: no per-parameter work)."""
+        opt = self.optimizer
+        if _has_step_hooks(opt) or getattr(opt, "grad_scale", None) is not None \
+                or getattr(opt, "found_inf", None) is not None:
+            return False
+        for g in opt.param_groups:
+            if not g.get("fused") or g.get("differentiable") or isinstance(g["lr"], torch.Tensor) \
+                    or any(isinstance(b, torch.Tensor) for b in g["betas"]):
+                return False
+        return True
+
+    def _usable(self) -> bool:
+        opt = self.optimizer
+        groups = self._groups
+        if groups is None or opt.param_groups is not self._param_groups or opt.state is not self._state:
+            return False
+        if len(groups) != len(opt.param_groups) or not self._plain():
+            return False
+        return all(c.group is g and c.unchanged() for c, g in zip(groups, opt.param_groups))
+
+
+def _fused_update(opt: torch.optim.Optimizer, group: dict, buckets) -> None:
+    """What ``torch.optim.adam._fused_adam`` does for one group without a GradScaler: per device/dtype
+    bucket, step counts + 1, then one fused kernel."""
+    beta1, beta2 = group["betas"]
+    decoupled = group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))
+    func = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    for params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps in buckets:
+        torch._foreach_add_(steps, 1)
+        func(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
+             lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+             maximize=group["maximize"], grad_scale=None, found_inf=None)
