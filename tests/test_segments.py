@@ -87,8 +87,10 @@ class _Chain(LightningModule):
     then differs from the captured signature)."""
 
     def __init__(self, between: bool = False, aux: bool = False, inplace_at=(), grad_input_every: int = 0,
-                 grad_hook=False, rng_between=False, prehook: bool = False, backward_hook: bool = False) -> None:
+                 grad_hook=False, rng_between=False, prehook: bool = False, backward_hook: bool = False,
+                 late=None) -> None:
         super().__init__()
+        self.late = late  # from two steps after capture on, what happens to block 1's output (see _late)
         drop = 0.2 if rng_between or grad_hook else 0.0
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(drop), nn.Linear(32, 16))
                                     for _ in range(4))
@@ -117,14 +119,33 @@ class _Chain(LightningModule):
             if i == 1 and (self.grad_hook is True or (self.grad_hook == "even_batches" and batch_idx % 2 == 0)
                            or (type(self.grad_hook) is int and self.global_step >= self.grad_hook)):
                 x.register_hook(lambda g: g.mul_(0.5))  # changes the gradient in place, returns None
+            if i == 1 and self.late is not None and self.global_step >= WARMUP + 2:
+                x = _late(self, x)
             if i == 1 and (self.rng_between is True or (self.rng_between == "even_batches" and batch_idx % 2 == 0)):
                 self.noise = torch.rand(4, device=x.device)  # a random draw between blocks 1 and 2 (x untouched)
+        if getattr(self, "kept", None) is not None:
+            self.kept.register_hook(lambda g: None)
+            self.kept = None
         loss = F.mse_loss(self.head(x), y) + extra
         self.log("train_loss", loss)
         return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _late(module, x):
+    """What ``_Chain(late=...)`` does to block 1's output once the segment replays through its one node."""
+    if module.late == "detach":  # eager: no gradient reaches blocks 0-1 through block 2
+        return x.detach()
+    if module.late == "view":
+        return x.view(x.shape)
+    if module.late == "retain_grad":
+        x.retain_grad()
+        return x
+    if module.late == "kept_hook":  # a read-only hook put on it after block 2 already ran: seen at the backward
+        module.kept = x
+    return x
 
 
 class _ChainData(torch.utils.data.Dataset):
@@ -202,10 +223,45 @@ def test_what_happens_between_two_calls_ends_the_segment(case):
 
 
 def test_in_place_gradient_hook_added_after_capture_is_an_error_naming_the_layer():
-    """The in-place gradient hook on block 1's output starts two steps after capture: the segment's backward
-    graph already used the unchanged gradient, so the next check raises ``SegmentError`` naming the layer."""
-    with pytest.raises(SegmentError, match=r"'blocks\.1'.*changed in place after"):
+    """The in-place gradient hook on block 1's output starts two steps after capture: inside the segment's one
+    autograd node no gradient reaches that output outside the graph, so block 2's call raises ``SegmentError``
+    naming block 1 (before anything ran with the hook missing)."""
+    with pytest.raises(SegmentError, match=r"'blocks\.1'.*gradient hook or retain_grad\(\) was put on its output"):
         _chain_fit("cg", 8, grad_hook=WARMUP + 2)
+
+
+def test_blocks_chained_into_a_segment_share_one_autograd_node():
+    """After capture, the four chained blocks leave one ``SegmentFunctionBackward`` node in the loss's autograd
+    graph (no per-block replay node); each block's call still counts as a forward replay."""
+    from cg_lightning.graphs.discovery import autograd_edges
+
+    names = []
+
+    class Nodes(Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.global_step == WARMUP + 1:
+                names.extend(type(n).__name__ for _, n in autograd_edges(loss.grad_fn) if n is not None)
+
+    seed_everything(5, workers=True)
+    _, trainer = _fit("cg", WARMUP + 2, _Chain(), _ChainDM(), callbacks=[Nodes()])
+    assert names.count("SegmentFunctionBackward") == 1, names
+    assert "ReplayFunctionBackward" not in names, names
+    assert trainer.strategy.last_graph_stats.forward_replays == 8  # 4 calls in steps WARMUP and WARMUP + 1
+
+
+@pytest.mark.parametrize("late,match", [
+    ("detach", r"'blocks\.2'.*not called with the previous layer's output itself"),
+    ("view", r"'blocks\.2'.*not called with the previous layer's output itself"),
+    ("retain_grad", r"'blocks\.1'.*gradient hook or retain_grad\(\) was put on its output"),
+    ("kept_hook", r"'blocks\.1'.*gradient hook or retain_grad\(\) was put on its output"),
+])
+def test_what_the_one_node_cannot_honour_after_capture_is_an_error_naming_the_layer(late, match):
+    """From two steps after capture: block 1's output detached or viewed before block 2 (the one node would
+    hand block 2 an output still connected to blocks 0-1, or computed from another tensor), ``retain_grad()``
+    on it, or a read-only gradient hook registered on it after block 2 ran (no gradient reaches it outside the
+    graph, so neither would ever see one): ``SegmentError`` naming the layer, never a silent difference."""
+    with pytest.raises(SegmentError, match=match):
+        _chain_fit("cg", 8, late=late)
 
 
 def test_forward_pre_hook_added_after_capture_on_a_following_member_is_an_error():

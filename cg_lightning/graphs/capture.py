@@ -52,6 +52,7 @@ def capture_in_order(
             members = [real[i] for i in group]
             if len(group) > 1 and all(any(r.output_requires_grad) for r in members):
                 _capture_segment_backward([runners[i] for i in group], members)
+                members[0].segment.node_runners = members  # one autograd node for the whole segment
                 continue
             for i in reversed(group):
                 if reuse_buffers and i + 1 < len(runners):

@@ -20,7 +20,7 @@ therefore chosen from evidence, never guessed:
 2. at the first backward in which its runner replayed (the strategy hands the loss in; a step whose call
    ran eagerly leaves it pending): the autograd graph from the loss is walked once, and a candidate is
    confirmed only if its ``AccumulateGrad`` node has exactly one producer, the replay node of its own
-   runner.
+   runner (or the one node of the segment it belongs to, :mod:`.segment_node`).
 
 Confirmed parameters lose their edge from the next step on; the replay reports them after its backward
 graph ran (after the recorded nested notifications, where their ``AccumulateGrad`` nodes would have run).
@@ -78,6 +78,7 @@ def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, Li
     out: Dict[object, List[torch.nn.Parameter]] = {}
     for pid, nodes in producers.items():
         runner = pending[pid]
-        if len(nodes) == 1 and getattr(nodes[0], "runner", None) is runner:
+        node = nodes[0]
+        if len(nodes) == 1 and (getattr(node, "runner", None) is runner or runner in getattr(node, "runners", ())):
             out.setdefault(runner, []).append(params[pid])
     return out

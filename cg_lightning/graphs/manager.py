@@ -33,10 +33,12 @@ import torch.nn as nn
 
 from . import direct_ready
 from .backends import make_backend
+from .buffer_reuse import check_shared_inputs
 from .eval_graphs import EvalGraphs
 from .graph_sets import CallRecord, GraphSet, GraphSetCache, StepRecord, describe
 from .options import GraphOptions
 from .replay import ReplayFunction
+from .segment_node import HandedOutputs, SegmentFunction, hook_on_intermediate
 from .runner import LayerGraphRunner
 from .selection import select_layers
 from .autocast import autocast_state
@@ -272,6 +274,8 @@ class GraphManager:
                 "Register the hook before the first training step (the segment then ends before this layer), or "
                 "set graphs.segments=false for this model."
             )
+        if follows and runner.segment.node_runners is not None:
+            return self._segment_follower(layer, runner, args, kwargs)
         if follows and not runner.segment.launched_for(runner):
             # the segment's first call ran eagerly in this pass (its arguments differed): so does the rest
             self.stats.fallback_calls += 1
@@ -286,11 +290,63 @@ class GraphManager:
                 )
             return self._fallback(layer, index, runner, args, kwargs)
         tensors = runner.signature.tensor_leaves(args, kwargs)
+        segment = runner.segment
+        if segment is not None and segment.node_runners is not None:
+            return self._segment_launch(segment, tensors)
         flat = ReplayFunction.apply(runner, *tensors, *runner.apply_edges)
         self.stats.forward_replays += 1
         if self._active.direct_pending:
             self._replayed.add(id(runner))
         return runner.output_structure(flat)
+
+    def _segment_launch(self, segment, tensors):
+        """The first call of a segment replayed through one autograd node: every member's output is computed
+        now; the first is returned, the others are handed to the following calls (:mod:`.segment_node`)."""
+        runners = segment.node_runners
+        if segment.handed is not None:
+            segment.handed.release()  # the previous pass's, if its backward never ran
+        segment.handed = handed = HandedOutputs()
+        flat = SegmentFunction.apply(segment, *tensors, *[e for r in runners for e in r.apply_edges])
+        outputs, start = [], 0
+        for r in runners:
+            n = len(r.output_requires_grad)
+            outputs.append(r.output_structure(flat[start:start + n]))
+            start += n
+        handed.start(runners, outputs[:-1], outputs)
+        self.stats.forward_replays += 1
+        if self._active.direct_pending:
+            self._replayed.add(id(runners[0]))
+        return outputs[0]
+
+    def _segment_follower(self, layer: _Layer, runner, args: tuple, kwargs: dict):
+        """A following call of a segment replayed through one node: return the output the segment computed
+        for it, after checking it was called with the previous member's output, unchanged."""
+        entry = runner.segment.handed.take(runner) if runner.segment.handed is not None else None
+        if entry is None:  # the segment's first call ran eagerly in this pass (its arguments differed): so does this
+            self.stats.fallback_calls += 1
+            return layer.forward(*args, **kwargs)
+        expected, out = entry
+        if kwargs or len(args) != 1 or args[0] is not expected:
+            raise SegmentError(
+                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran for "
+                "this pass, but it was not called with the previous layer's output itself (another tensor, a "
+                "view or a detached copy of it, or extra arguments). A segment replays all or none of its layers. "
+                "Keep the chain x = layer(x), or set graphs.segments=false for this model."
+            )
+        if not runner.autocast_matches():
+            raise SegmentError(
+                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran "
+                "for this pass, but it was called under other settings than captured:\n  "
+                + "\n  ".join(runner.mismatches(args, kwargs))
+                + "\nA segment replays all or none of its layers. Set graphs.segments=false for this model."
+            )
+        check_shared_inputs(runner, args)  # changed in place since it was returned: SegmentError
+        if expected._backward_hooks or expected.retains_grad:
+            raise SegmentError(hook_on_intermediate(runner.segment.node_runners, runner))
+        self.stats.forward_replays += 1
+        if self._active.direct_pending:
+            self._replayed.add(id(runner))
+        return out
 
     def _eval_call(self, layer: _Layer, args: tuple, kwargs: dict):
         graphs = self.eval_graphs

@@ -30,24 +30,36 @@ class ReplayFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         runner = ctx.runner
         runner.check_generation(ctx.generation)
-        if getattr(ctx, "backward_ran", False):
-            raise RuntimeError(
-                f"graphed {runner.name!r}: a second backward pass reached the same call (backward or "
-                "torch.autograd.grad with retain_graph=True, then another one). Its captured backward runs once "
-                "per call: it reads the activations that call left in the graph's static buffers. "
-                "Take such extra gradients (a gradient-norm probe on a hidden state) from a step without graphs, "
-                "or leave the layer out of graphs.layers."
-            )
-        ctx.backward_ran = True
-        if runner.adds_into_main_grad and not _leaves_accumulate(ctx, len(runner.apply_edges)):
-            raise RuntimeError(
-                f"graphed {runner.name!r}: its backward was reached by torch.autograd.grad or by "
-                "backward(inputs=...) that leaves its parameters out. Its captured backward adds the weight "
-                "gradients into main_grad whatever the caller asked for, so eager results cannot be matched. "
-                "Call loss.backward() (Lightning does) or accelerator.backward(loss), or leave the layer out of "
-                "graphs.layers."
-            )
+        check_second_backward(ctx, runner)
+        check_leaves_accumulate(ctx, (runner,), len(runner.apply_edges))
         return (None, *runner.replay_backward(grad_outputs))
+
+
+def check_second_backward(ctx, runner) -> None:
+    """Raise if this node's backward already ran (its captured backward reads what its forward left in the
+    static buffers, once)."""
+    if getattr(ctx, "backward_ran", False):
+        raise RuntimeError(
+            f"graphed {runner.name!r}: a second backward pass reached the same call (backward or "
+            "torch.autograd.grad with retain_graph=True, then another one). Its captured backward runs once "
+            "per call: it reads the activations that call left in the graph's static buffers. "
+            "Take such extra gradients (a gradient-norm probe on a hidden state) from a step without graphs, "
+            "or leave the layer out of graphs.layers."
+        )
+    ctx.backward_ran = True
+
+
+def check_leaves_accumulate(ctx, runners, n_edges: int) -> None:
+    """Raise if a runner that adds into ``main_grad`` is reached by a backward that does not accumulate into
+    its parameters (``torch.autograd.grad``, ``backward(inputs=...)`` without them)."""
+    if any(r.adds_into_main_grad for r in runners) and not _leaves_accumulate(ctx, n_edges):
+        raise RuntimeError(
+            f"graphed {runners[0].name!r}: its backward was reached by torch.autograd.grad or by "
+            "backward(inputs=...) that leaves its parameters out. Its captured backward adds the weight "
+            "gradients into main_grad whatever the caller asked for, so eager results cannot be matched. "
+            "Call loss.backward() (Lightning does) or accelerator.backward(loss), or leave the layer out of "
+            "graphs.layers."
+        )
 
 
 def _leaves_accumulate(ctx, n_edges: int) -> bool:

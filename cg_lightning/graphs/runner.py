@@ -48,7 +48,6 @@ import torch
 
 from .buffer_reuse import check_shared_inputs, copy_into_static
 from .autocast import autocast_as, autocast_off, autocast_state
-from .segments import check_segment_grad
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
 from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reachable_leaves
@@ -524,9 +523,7 @@ class LayerGraphRunner:
         """Returns gradients for the input tensors, then for ``apply_edges``."""
         if self._bwd is None:
             return (None,) * (self.num_inputs + len(self.apply_edges))
-        if not getattr(self._bwd, "launcher", True):  # a segment member whose backward already ran
-            check_segment_grad(self, grad_outputs)
-        else:
+        if getattr(self._bwd, "launcher", True):  # else a segment member: the segment's graph filled the buffers
             with torch.no_grad():
                 for static, g in zip(self.static_grad_outputs, grad_outputs):
                     if static is None:
@@ -542,8 +539,6 @@ class LayerGraphRunner:
         it = iter(grads[:n_in])
         for t in self.static_inputs:
             input_grads.append(next(it) if t.requires_grad else None)
-        if self.segment is not None:
-            self.segment.hand_out(input_grads)  # an in-place change before the previous member's check is refused
         param_grads = [
             None if g is None else (g.clone() if clone else g) for g, clone in zip(grads[n_in:], self.clone_slots)
         ]

@@ -4,19 +4,20 @@ Per-layer graphs cost one graph launch per layer call and direction (24 launches
 copy of each input into its static buffer. When call k+1's only tensor argument is call k's output (the
 plain ``for block in blocks: x = block(x)``), the calls form a *segment*: their static buffers are chained
 as in :mod:`.buffer_reuse` (input of k+1 = output of k; grad-output of k = grad-input buffer of k+1) and
-their forward bodies are captured into one graph, their backward bodies (in reverse) into another. The first
-call of a segment launches the forward graph, the last call's backward node launches the backward graph;
-the other calls only check that they are handed exactly the chained tensors and return their static
-results. Grad-ready notifications still come from every call's own replay node, as before.
+their forward bodies are captured into one graph, their backward bodies (in reverse) into another. The segment's first call applies one autograd node for all members
+(:mod:`.segment_node`): it launches the forward graph and returns every member's static output; the
+following calls get theirs handed over after checking they were called with the previous member's output.
+That node's backward launches the backward graph once and replays the members' grad-ready notifications in
+reverse member order, as their own nodes would have. (When a member's output needs no gradient, the
+backward stays one graph per member and each call keeps its own replay node.)
 
-What must hold, and is checked at every replay (``SegmentError`` otherwise, naming the layer): a member's
-input is the previous member's output tensor, unchanged (same storage and the same version counter: an
-in-place change between the two calls is caught), its arguments match the captured ones, the gradient
-that reaches a member's backward is exactly the tensor the next member's backward produced and has not been
-changed in place since (an intermediate output also used elsewhere would add gradient the graph never saw;
-a gradient hook would change it after the graph used it), and no following member got a forward pre-hook.
-A segment replays all or none of its calls: when its first call runs eagerly (shape policy), so do the
-others in that pass.
+What must hold, and is checked at every replay (``SegmentError`` otherwise, naming the layer): a following
+member is called with the previous member's output itself (not a view or a detached copy), unchanged (the
+same version counter: an in-place change between the two calls is caught), with no other arguments; no
+intermediate output gets a gradient from outside the chain (an intermediate output used elsewhere would add
+gradient the graph never saw), a gradient hook or ``retain_grad()`` (which would see no gradient); and no
+following member got a forward pre-hook. A segment replays all or none of its calls: when its first call
+runs eagerly (shape policy), so do the others in that pass.
 
 Found at capture, from the recorded (eager) steps (:func:`find_segments`): two calls chain only if the
 second's argument is the first's output (storage, version counter), the recorded backward reached that
@@ -165,23 +166,17 @@ class _Member:
 
 
 class SegmentState:
-    """Which forward launch of its segment each following member consumed (one launch per pass), and the
-    input-gradient buffers its backward handed on, with their version counters at that moment."""
+    """Which forward launch of its segment each following member consumed (one launch per pass; used when
+    only the forward is one graph), and, once both directions are segment graphs, the runners and the outputs
+    handed to the following calls of the current pass."""
 
     def __init__(self) -> None:
         self.launches = 0
         self._consumed = {}
-        self._handed = {}
-
-    def hand_out(self, grads) -> None:
-        for g in grads:
-            if g is not None:
-                self._handed[g.data_ptr()] = (g, g._version)
-
-    def changed_since_handed(self, g: torch.Tensor) -> bool:
-        """``g`` is a buffer this segment's backward handed on, modified in place since (a gradient hook)."""
-        entry = self._handed.get(g.data_ptr())
-        return entry is not None and entry[0] is g and g._version != entry[1]
+        #: the members' runners, in call order, once forward and backward were both captured as segment graphs:
+        #: the segment then replays through one autograd node (:mod:`.segment_node`)
+        self.node_runners = None
+        self.handed = None  # this pass's :class:`~.segment_node.HandedOutputs`
 
     def launched_for(self, runner) -> bool:
         """True when the segment's forward launched since ``runner`` last replayed."""
@@ -260,26 +255,3 @@ def members_capturing(runners: Sequence, segment) -> Iterator[None]:
     finally:
         for r, b in zip(runners, saved):
             r.backend = b
-
-
-def check_segment_grad(runner, grad_outputs) -> None:
-    """Raise if a non-launching member's backward is handed a gradient other than the chained buffer."""
-    for static, g in zip(runner.static_grad_outputs, grad_outputs):
-        if static is None:
-            continue
-        if g is None or g.data_ptr() != static.data_ptr():
-            raise SegmentError(
-                f"graphed {runner.name!r} is inside a segment (graphs.segments=true): its output's gradient was "
-                "computed by the segment's backward graph from the next layer alone, but autograd handed it "
-                f"{'no gradient' if g is None else 'another tensor'} (the output is also used outside the chain, "
-                "e.g. kept for an auxiliary loss, or a gradient hook on it returned a new tensor). Set "
-                "graphs.segments=false for this model."
-            )
-        if runner.segment.changed_since_handed(g):
-            raise SegmentError(
-                f"graphed {runner.name!r} is inside a segment (graphs.segments=true): the gradient of its output "
-                "was changed in place after the segment's backward graph had already used it (a gradient hook "
-                "that modifies its argument, e.g. register_hook(lambda g: g.mul_(0.5)), that no recorded step "
-                "had). Register the hook from the first training step on (the recorded steps then end the "
-                "segment at that output), or set graphs.segments=false for this model."
-            )

@@ -55,9 +55,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = em.Stack(em.SeedLayer, 16, 4, recompute=True).to(device)
     # "missing" skips a layer on one rank: inside a segment that rank would stop at the next layer's call
-    # (SegmentError) before the engine's missing-gradient error this scenario is about
+    # (SegmentError) before the engine's missing-gradient error this scenario is about. "overlap" is about
+    # buckets dispatched between the layers' backward replays: a segment's backward is one graph launch, so
+    # every bucket it fills goes out after it (per-layer graphs, segments=false, interleave)
     options = GraphOptions(warmup_steps=1, backend="cuda" if a.device == "cuda" else "eager", layers=["layers.*"],
-                           segments=a.scenario != "missing")
+                           segments=a.scenario not in ("missing", "overlap"))
     manager = GraphManager(model, options, device)
     engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=16 * 17 * 4 / 2**20, timeout_s=a.timeout_s),
                                 grad_accumulator_stream=getattr(manager.backend, "stream", None))

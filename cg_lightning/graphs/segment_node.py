@@ -1,0 +1,129 @@
+"""One autograd node for a whole segment (``graphs.segments``), instead of one replay node per member.
+
+With per-member nodes, each of the 12 block calls of a chained segment went through
+``ReplayFunction.apply`` and left a backward node whose only work, for all but one, was an identity check
+(``benchmarks/NOTES.md``, session 6 profile: the layer dispatch and the replay nodes were the largest host
+costs of ours). Here the segment's first call applies :class:`SegmentFunction` once: its forward replays every
+member (the first launches the segment's forward graph; the others only run their checks and return their
+static outputs) and returns the outputs of *all* members, which therefore all have this node as
+``grad_fn``. Each following member's call gets its output handed from the segment (:class:`HandedOutputs`)
+after checking that it was called with exactly the previous member's output, unchanged.
+
+The backward receives one gradient per member output. Only the last member's may be set; a gradient for an
+intermediate output means it was used outside the chain (an auxiliary loss on a hidden state) after capture,
+which the segment's backward graph never saw: :class:`~.segments.SegmentError` naming the layer, as before.
+A gradient hook, or ``retain_grad()``, on an intermediate output would never run (no gradient is computed
+for it outside the graph), so one found there at the backward is refused the same way. Then the members'
+backward replays run in reverse order, exactly as their per-member nodes ran (same notifications, same
+order); the node returns the first member's input gradients and every member's parameter-edge gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .replay import check_second_backward, check_leaves_accumulate
+from .segments import SegmentError
+
+
+def hook_on_intermediate(runners: Sequence, follower) -> str:
+    """The message for a gradient hook or ``retain_grad()`` found on the output that ``follower`` is handed."""
+    prev = runners[runners.index(follower) - 1]
+    return (
+        f"graphed {prev.name!r} is inside a segment (graphs.segments=true): a gradient hook or retain_grad() was "
+        "put on its output after capture; inside a segment no gradient is computed for that output outside the "
+        "graph (the hook would see None or never run). Register it from the first training step on (the recorded "
+        "steps then end the segment there), or set graphs.segments=false for this model."
+    )
+
+
+class HandedOutputs:
+    """Per forward pass of one segment: for each following member, the tensor it must be called with (the
+    previous member's output) and the output to return."""
+
+    def __init__(self) -> None:
+        self._pending: Dict[int, Tuple[torch.Tensor, object]] = {}
+        #: the intermediate outputs, held until the backward (or the next pass) to look for hooks on them;
+        #: they are views of the segment's static outputs, so holding them keeps no extra memory
+        self.intermediate: List[torch.Tensor] = []
+
+    def start(self, runners: Sequence, expected_inputs: Sequence[torch.Tensor], outputs: Sequence) -> None:
+        self._pending = {id(r): (x, out) for r, x, out in zip(runners[1:], expected_inputs, outputs[1:])}
+        self.intermediate = list(expected_inputs)
+
+    def release(self) -> None:
+        """Drop the held outputs (they reference the segment's node, which references this object)."""
+        self._pending, self.intermediate = {}, []
+
+    def take(self, runner) -> Optional[Tuple[torch.Tensor, object]]:
+        """``(expected input, output)`` for ``runner`` in this pass, or ``None`` if the segment did not launch
+        for it (its first call ran eagerly, or ``runner`` was already called)."""
+        return self._pending.pop(id(runner), None)
+
+
+class SegmentFunction(torch.autograd.Function):
+    """``apply(segment, *first_member_inputs, *edges of every member)`` -> every member's flat outputs, in
+    member order. ``segment``: the forward :class:`~.segments.SegmentState` with ``node_runners`` set."""
+
+    @staticmethod
+    def forward(ctx, segment, *tensors):
+        ctx.set_materialize_grads(False)  # an output nobody used gets None: the intermediate outputs
+        runners = segment.node_runners
+        ctx.segment = segment
+        ctx.runners = runners
+        ctx.runner = runners[0]
+        x = tensors[: runners[0].num_inputs]
+        flat, sizes, generations, non_diff = [], [], [], []
+        for r in runners:
+            outs = r.replay_forward(x)
+            generations.append(r.forward_generation)
+            sizes.append(len(outs))
+            non_diff.extend(o for o, g in zip(outs, r.output_requires_grad) if not g)
+            flat.extend(outs)
+            x = outs
+        ctx.sizes = sizes
+        ctx.generations = generations
+        ctx.edge_counts = [len(r.apply_edges) for r in runners]
+        ctx.intermediate = segment.handed
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(flat)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs):
+        runners = ctx.runners
+        check_second_backward(ctx, runners[-1])  # the member whose backward runs first
+        check_leaves_accumulate(ctx, runners, sum(ctx.edge_counts))
+        per_member, start = [], 0
+        for size in ctx.sizes:
+            per_member.append(grad_outputs[start:start + size])
+            start += size
+        for r, grads in zip(runners[:-1], per_member[:-1]):
+            if any(g is not None for g in grads):
+                raise SegmentError(
+                    f"graphed {r.name!r} is inside a segment (graphs.segments=true): its output got a gradient "
+                    "from outside the chain (it is also used elsewhere, e.g. kept for an auxiliary loss), but the "
+                    "segment's backward graph computes that output's gradient from the next layer alone. Set "
+                    "graphs.segments=false for this model."
+                )
+        handed, ctx.intermediate = ctx.intermediate, None
+        held = handed.intermediate
+        handed.release()
+        for k, t in enumerate(held):
+            if t._backward_hooks or t.retains_grad:
+                raise SegmentError(hook_on_intermediate(runners, runners[k + 1]))
+        del held
+        for r, generation in zip(runners, ctx.generations):
+            r.check_generation(generation)
+        results: List[tuple] = [()] * len(runners)
+        for k in reversed(range(len(runners))):
+            r = runners[k]
+            grads = per_member[k] if k == len(runners) - 1 else r.static_grad_outputs
+            results[k] = r.replay_backward(grads)
+        first = results[0][: runners[0].num_inputs]
+        edges = [g for r, res in zip(runners, results) for g in res[r.num_inputs:]]
+        return (None, *first, *edges)
