@@ -120,15 +120,29 @@ def _changes():
         for opt in (pair.ref_opt, pair.opt):
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
 
+    def state_clear(pair):  # torch initializes the state again at the next step
+        for opt in (pair.ref_opt, pair.opt):
+            opt.state.clear()
+
+    def state_replaced(pair):  # one parameter's state dict replaced by an empty one
+        for ps, opt in ((pair.ref_params, pair.ref_opt), (pair.params, pair.opt)):
+            opt.state[ps[2]] = {}
+
+    def step_reset(pair):  # a new step-count tensor (bias corrections restart)
+        for ps, opt in ((pair.ref_params, pair.ref_opt), (pair.params, pair.opt)):
+            opt.state[ps[0]]["step"] = torch.zeros((), dtype=torch.float32, device=ps[0].device)
+
     return [("new_grad", new_grad, 4), ("grad_none", grad_none, 4), ("hyper", hyper, 5),
-            ("new_group", new_group, 4), ("reload", reload, 4)]
+            ("new_group", new_group, 4), ("reload", reload, 4), ("state_clear", state_clear, 4),
+            ("state_replaced", state_replaced, 4), ("step_reset", step_reset, 4)]
 
 
 @pytest.mark.parametrize("name,change,cached", _changes(), ids=[c[0] for c in _changes()])
 def test_a_change_makes_that_step_ordinary_and_results_stay_equal(name, change, cached):
-    """A change after three steps (gradient tensors replaced or dropped, a group added, the state reloaded)
-    makes the next step an ordinary ``optimizer.step()`` (the lists are rebuilt after it); hyperparameter
-    changes are read at every cached step without that. Bit-identical to ``optimizer.step()`` throughout."""
+    """A change after three steps (gradient tensors replaced or dropped, a group added, the state reloaded,
+    cleared, one parameter's state replaced, a new step tensor) makes the next step an ordinary
+    ``optimizer.step()`` (the lists are rebuilt after it); hyperparameter changes are read at every cached step
+    without that. Bit-identical to ``optimizer.step()`` throughout."""
     pair = _Pair("cpu", scheduler=name != "new_group")  # LambdaLR does not follow added groups
     for i in range(6):
         if i == 3:
@@ -158,6 +172,21 @@ def test_step_hooks_and_grad_scaler_attributes_take_torchs_own_step():
     pair.step()
     pair.assert_equal()
     assert pair.fast.cached_steps == 2
+
+
+def test_amsgrad_switched_on_later_fails_as_optimizer_step_does():
+    """``amsgrad`` turned on after the state exists: torch's own step raises ``KeyError`` (no
+    ``max_exp_avg_sq``); the cached step takes torch's path and raises the same, instead of running its
+    lists without that state."""
+    pair = _Pair("cpu", scheduler=False)
+    for _ in range(3):
+        pair.step()
+    for opt in (pair.ref_opt, pair.opt):
+        opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(KeyError, match="max_exp_avg_sq"):
+        pair.ref_opt.step()
+    with pytest.raises(KeyError, match="max_exp_avg_sq"):
+        pair.fast.step()
 
 
 def test_refusal_names_the_reason():

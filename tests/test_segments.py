@@ -91,7 +91,7 @@ class _Chain(LightningModule):
                  late=None) -> None:
         super().__init__()
         self.late = late  # from two steps after capture on, what happens to block 1's output (see _late)
-        drop = 0.2 if rng_between or grad_hook else 0.0
+        drop = 0.2 if rng_between or grad_hook or late == "rng" else 0.0
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(drop), nn.Linear(32, 16))
                                     for _ in range(4))
         self.head = nn.Linear(16, 1)
@@ -104,6 +104,8 @@ class _Chain(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.late == "freeze" and self.global_step >= WARMUP + 2:  # block 0 frozen before the step's forward
+            self.blocks[0].requires_grad_(False)
         if self.grad_input_every and batch_idx % self.grad_input_every == 0:
             x = x.detach().requires_grad_()
         extra = 0.0
@@ -145,6 +147,13 @@ def _late(module, x):
         return x
     if module.late == "kept_hook":  # a read-only hook put on it after block 2 already ran: seen at the backward
         module.kept = x
+    if module.late == "rng":  # a random draw between blocks whose dropout draws too (the segment drew all at once)
+        module.noise = torch.rand(4)
+    if module.late == "clamp":  # block 2's weight changed in place right before its call
+        with torch.no_grad():
+            module.blocks[2][0].weight.clamp_(-0.05, 0.05)
+    if module.late == "eval":  # block 2 called in eval mode in the middle of the chain
+        module.blocks[2].eval()
     return x
 
 
@@ -254,14 +263,37 @@ def test_blocks_chained_into_a_segment_share_one_autograd_node():
     ("view", r"'blocks\.2'.*not called with the previous layer's output itself"),
     ("retain_grad", r"'blocks\.1'.*gradient hook or retain_grad\(\) was put on its output"),
     ("kept_hook", r"'blocks\.1'.*gradient hook or retain_grad\(\) was put on its output"),
+    ("rng", r"'blocks\.3' is the last layer of a segment .* random numbers were drawn between its layer calls"),
+    ("clamp", r"'blocks\.2' .* parameters was changed in place after the segment's graphs ran this layer"),
+    ("eval", r"'blocks\.2' .* already ran it for this pass, but it was called in eval mode"),
+    ("freeze", r"'blocks\.0' .* \['0\.weight', '0\.bias', '3\.weight', '3\.bias'\] were frozen after capture"),
 ])
 def test_what_the_one_node_cannot_honour_after_capture_is_an_error_naming_the_layer(late, match):
     """From two steps after capture: block 1's output detached or viewed before block 2 (the one node would
     hand block 2 an output still connected to blocks 0-1, or computed from another tensor), ``retain_grad()``
     on it, or a read-only gradient hook registered on it after block 2 ran (no gradient reaches it outside the
-    graph, so neither would ever see one): ``SegmentError`` naming the layer, never a silent difference."""
+    graph, so neither would ever see one); a random draw between blocks whose dropout draws (the segment made
+    all the blocks' draws at its first call); block 2's weight clamped in place right before its call (the
+    segment already ran block 2); block 2 called in eval mode; block 0 frozen. Each is ``SegmentError`` naming
+    the layer, never a silent difference (the next test: the draw, the clamp and the eval call train like
+    "ddp" with graphs.segments=false; freezing during training is unsupported with any graphed layer)."""
     with pytest.raises(SegmentError, match=match):
         _chain_fit("cg", 8, late=late)
+
+
+@pytest.mark.parametrize("late", ["rng", "clamp", "eval"])
+def test_what_segments_refuse_trains_like_ddp_with_per_layer_graphs(late):
+    """The cases above that per-layer graphs handle: with graphs.segments=false, training equals "ddp"
+    (CPU, eager backend: identical; 1e-6 bound)."""
+    steps = 8
+    seed_everything(5, workers=True)
+    ref_model = _Chain(late=late)
+    ref, _ = _fit("ddp", steps, ref_model, _ChainDM())
+    seed_everything(5, workers=True)
+    model = _Chain(late=late)
+    rec, _ = _fit("cg", steps, model, _ChainDM(), segments=False)
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-6
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-6
 
 
 def test_forward_pre_hook_added_after_capture_on_a_following_member_is_an_error():

@@ -16,7 +16,9 @@ Before every step it checks, by identity, that nothing it cached changed; if any
 ordinary ``optimizer.step()`` and the lists are rebuilt after it:
 
 * ``optimizer.param_groups``, each group dict, each group's ``params`` list and ``optimizer.state`` are the
-  same objects (``add_param_group`` and ``load_state_dict`` replace them);
+  same objects (``add_param_group`` and ``load_state_dict`` replace them), and so are every parameter's state
+  dict and the tensors in it (``state.clear()``, ``state[p] = {}`` or a new ``step`` tensor), and each
+  group's ``amsgrad``;
 * every parameter's ``.grad`` is the tensor seen when the lists were built (or still ``None``);
 * the step is plain: no step hooks, no GradScaler attributes (``grad_scale``/``found_inf``), every group
   ``fused`` and not ``differentiable``, ``lr`` and ``betas`` Python numbers.
@@ -36,6 +38,9 @@ import torch
 
 from .optimizer_step import _has_step_hooks
 
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
 def fused_adam_refusal(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """Why ``optimizer``'s step cannot take the cached path at all, or ``None`` if it can (per-step conditions
     are checked by :meth:`CachedFusedAdamStep.step`)."""
@@ -49,10 +54,11 @@ def fused_adam_refusal(optimizer: torch.optim.Optimizer) -> Optional[str]:
 class _Group:
     """One param group's cached lists, grouped by (device, dtype) as ``torch.optim.adam._fused_adam`` does."""
 
-    __slots__ = ("group", "params", "grads", "buckets")
+    __slots__ = ("group", "params", "grads", "buckets", "amsgrad")
 
     def __init__(self, optimizer: torch.optim.Optimizer, group: dict) -> None:
         self.group = group
+        self.amsgrad = group["amsgrad"]  # decides which state tensors the lists hold
         self.params = group["params"]
         self.grads = [p.grad for p in self.params]
         with_grad = [p for p in self.params if p.grad is not None]
@@ -73,8 +79,8 @@ class _Group:
 
     def unchanged(self) -> bool:
         params = self.group["params"]
-        return params is self.params and len(params) == len(self.grads) and all(
-            map(operator.is_, [p.grad for p in params], self.grads))
+        return params is self.params and len(params) == len(self.grads) and self.group["amsgrad"] == self.amsgrad \
+            and all(map(operator.is_, [p.grad for p in params], self.grads))
 
 
 class CachedFusedAdamStep:
@@ -97,6 +103,7 @@ class CachedFusedAdamStep:
         self._groups: Optional[List[_Group]] = None
         self._param_groups: Optional[list] = None
         self._state: Any = None
+        self._state_entries: List[tuple] = []  # (per-parameter state dict, its tensors), in state order
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Run ``closure`` (with grad enabled, as ``Adam.step`` does), then the update: on the cached lists
@@ -117,6 +124,7 @@ class CachedFusedAdamStep:
         if self._plain():
             self._groups = [_Group(opt, g) for g in opt.param_groups]
             self._param_groups, self._state = opt.param_groups, opt.state
+            self._state_entries = [(d, tuple(d.get(k) for k in _STATE_KEYS)) for d in opt.state.values()]
         return loss
 
     def _plain(self) -> bool:
@@ -136,9 +144,22 @@ class CachedFusedAdamStep:
         groups = self._groups
         if groups is None or opt.param_groups is not self._param_groups or opt.state is not self._state:
             return False
-        if len(groups) != len(opt.param_groups) or not self._plain():
+        if len(groups) != len(opt.param_groups) or not self._plain() or not self._state_unchanged():
             return False
         return all(c.group is g and c.unchanged() for c, g in zip(groups, opt.param_groups))
+
+    def _state_unchanged(self) -> bool:
+        """Every per-parameter state dict, and every tensor in it, is the one the lists hold (a state cleared,
+        a parameter's dict replaced or its ``step`` reset to a new tensor makes an ordinary step, which
+        initializes or reads the state as torch does). Iterates ``state.values()``: no tensor hashing."""
+        state = self._state
+        entries = self._state_entries
+        if len(state) != len(entries):
+            return False
+        for d, (entry, tensors) in zip(state.values(), entries):
+            if d is not entry or any(d.get(k) is not t for k, t in zip(_STATE_KEYS, tensors)):
+                return False
+        return True
 
 
 def _fused_update(opt: torch.optim.Optimizer, group: dict, buckets) -> None:

@@ -23,6 +23,7 @@ autograd replay forward-only graphs kept apart from the training graphs (:mod:`.
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -227,6 +228,7 @@ class GraphManager:
             and torch.is_grad_enabled()
         )
         if not graphable:
+            self._refuse_pending_member(layer)
             if (self.options.capture_eval and self.backend is not None and not layer.module.training
                     and not torch.is_grad_enabled()):
                 return self._eval_call(layer, args, kwargs)
@@ -303,6 +305,17 @@ class GraphManager:
         """The first call of a segment replayed through one autograd node: every member's output is computed
         now; the first is returned, the others are handed to the following calls (:mod:`.segment_node`)."""
         runners = segment.node_runners
+        for r in runners:
+            if all(p.requires_grad for p in r.apply_edges):
+                continue
+            names = {id(p): n for n, p in r.module.named_parameters()}
+            frozen = [names.get(id(p), "?") for p in r.apply_edges if not p.requires_grad]
+            if frozen:  # autograd would drop the whole chain, and the error would name the other layers
+                raise SegmentError(
+                    f"graphed {r.name!r} is inside a segment (graphs.segments=true) and its parameter(s) {frozen} "
+                    "were frozen after capture. Freezing or unfreezing parameters during training is not supported "
+                    "with graphed layers: do it before the first training step (or in a new fit)."
+                )
         if segment.handed is not None:
             segment.handed.release()  # the previous pass's, if its backward never ran
         segment.handed = handed = HandedOutputs()
@@ -313,6 +326,9 @@ class GraphManager:
             outputs.append(r.output_structure(flat[start:start + n]))
             start += n
         handed.start(runners, outputs[:-1], outputs)
+        handed.param_versions = [tuple(map(_VERSION, r.module_params)) for r in runners]
+        if segment.members_draw:
+            handed.rng = rng_state(self.device)
         self.stats.forward_replays += 1
         if self._active.direct_pending:
             self._replayed.add(id(runners[0]))
@@ -343,10 +359,45 @@ class GraphManager:
         check_shared_inputs(runner, args)  # changed in place since it was returned: SegmentError
         if expected._backward_hooks or expected.retains_grad:
             raise SegmentError(hook_on_intermediate(runner.segment.node_runners, runner))
+        segment = runner.segment
+        handed = segment.handed
+        k = segment.node_runners.index(runner)
+        if tuple(map(_VERSION, runner.module_params)) != handed.param_versions[k]:
+            raise SegmentError(
+                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) and one of its parameters was "
+                "changed in place after the segment's graphs ran this layer for this pass (at the segment's first "
+                "call), e.g. clamped or renormalized between the layer calls. Change parameters outside the "
+                "forward (before the step's first layer call), or set graphs.segments=false for this model."
+            )
+        if segment.members_draw and k == len(segment.node_runners) - 1 and not torch.equal(
+                rng_state(self.device), handed.rng):
+            raise SegmentError(
+                f"graphed {layer.name!r} is the last layer of a segment (graphs.segments=true) whose layers draw "
+                "random numbers (dropout), and random numbers were drawn between its layer calls after capture: "
+                "the segment's graphs made all its layers' draws at its first call, so the draws would come in "
+                "another order than without graphs. Draw them before the segment's first layer or after its last "
+                "one (or from the first training step on: the recorded steps then end the segment there), or set "
+                "graphs.segments=false for this model."
+            )
         self.stats.forward_replays += 1
         if self._active.direct_pending:
             self._replayed.add(id(runner))
         return out
+
+    def _refuse_pending_member(self, layer: _Layer) -> None:
+        """Raise if ``layer``'s next call is a following member of a segment that already ran it for this
+        pass (called in eval mode or without grad in the middle of a training forward)."""
+        if self._mode != "replay" or self._active is None or not self._in_training_step:
+            return
+        runner = self._active.runners.get((id(layer), self._calls.get(id(layer), 0)))
+        segment = runner.segment if runner is not None else None
+        if segment is None or segment.handed is None or not segment.handed.pending(runner):
+            return
+        raise SegmentError(
+            f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran it for this "
+            f"pass, but it was called {'in eval mode' if not layer.module.training else 'with gradients disabled'}. "
+            "A segment replays all or none of its layers; set graphs.segments=false for this model."
+        )
 
     def _eval_call(self, layer: _Layer, args: tuple, kwargs: dict):
         graphs = self.eval_graphs
@@ -444,6 +495,10 @@ class GraphManager:
         calls, runners = capture_calls(calls, self._runner, self.model, self.options.on_capture_error,
                                        self._mark_failed,
                                        segments_of=find_segments if self.options.segments else None)
+        for call, runner in zip(calls, runners):
+            segment = runner.segment
+            if segment is not None and segment.node_runners is not None and _draws(call):
+                segment.members_draw = True  # draws between its calls must then be refused (_segment_follower)
         for call in record.calls:
             call.output = call.output_node = call.rng_before = call.rng_after = None
         self.stats.capture_seconds += time.perf_counter() - start
@@ -491,6 +546,15 @@ class GraphManager:
         if self.backend is not None and self.backend.name == "cuda":
             return torch.cuda.memory_allocated(self.device)
         return 0
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _draws(call: CallRecord) -> bool:
+    """The recorded call drew random numbers from the device's default generator (dropout)."""
+    a, b = call.rng_before, call.rng_after
+    return a is not None and b is not None and not torch.equal(a, b)
 
 
 def _detach_tree(tree):

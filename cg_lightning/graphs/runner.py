@@ -112,6 +112,8 @@ class LayerGraphRunner:
         self.clone_param_grads_on_return = clone_param_grads_on_return
         self.num_warmup_iters = max(1, num_warmup_iters)
         self.owned = owned_parameters(module)
+        #: the module's parameters, to see in-place changes between a segment's launch and this layer's call
+        self.module_params = list(module.parameters())
         samples = signature.tensor_leaves(sample_args, sample_kwargs)
         self.static_inputs = [
             s.detach().clone().requires_grad_(m.requires_grad)

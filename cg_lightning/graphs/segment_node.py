@@ -49,6 +49,8 @@ class HandedOutputs:
         #: the intermediate outputs, held until the backward (or the next pass) to look for hooks on them;
         #: they are views of the segment's static outputs, so holding them keeps no extra memory
         self.intermediate: List[torch.Tensor] = []
+        self.param_versions: List[tuple] = []  # per member, its parameters' version counters after launch
+        self.rng: Optional[torch.Tensor] = None  # the device RNG state after launch (members that draw only)
 
     def start(self, runners: Sequence, expected_inputs: Sequence[torch.Tensor], outputs: Sequence) -> None:
         self._pending = {id(r): (x, out) for r, x, out in zip(runners[1:], expected_inputs, outputs[1:])}
@@ -57,6 +59,9 @@ class HandedOutputs:
     def release(self) -> None:
         """Drop the held outputs (they reference the segment's node, which references this object)."""
         self._pending, self.intermediate = {}, []
+
+    def pending(self, runner) -> bool:
+        return id(runner) in self._pending
 
     def take(self, runner) -> Optional[Tuple[torch.Tensor, object]]:
         """``(expected input, output)`` for ``runner`` in this pass, or ``None`` if the segment did not launch

@@ -4,9 +4,10 @@ Per-layer graphs cost one graph launch per layer call and direction (24 launches
 copy of each input into its static buffer. When call k+1's only tensor argument is call k's output (the
 plain ``for block in blocks: x = block(x)``), the calls form a *segment*: their static buffers are chained
 as in :mod:`.buffer_reuse` (input of k+1 = output of k; grad-output of k = grad-input buffer of k+1) and
-their forward bodies are captured into one graph, their backward bodies (in reverse) into another. The segment's first call applies one autograd node for all members
-(:mod:`.segment_node`): it launches the forward graph and returns every member's static output; the
-following calls get theirs handed over after checking they were called with the previous member's output.
+their forward bodies are captured into one graph, their backward bodies (in reverse) into another. The
+segment's first call applies one autograd node for all members (:mod:`.segment_node`): it launches the
+forward graph and returns every member's static output; the following calls get theirs handed over after
+checking they were called with the previous member's output.
 That node's backward launches the backward graph once and replays the members' grad-ready notifications in
 reverse member order, as their own nodes would have. (When a member's output needs no gradient, the
 backward stays one graph per member and each call keeps its own replay node.)
@@ -177,6 +178,7 @@ class SegmentState:
         #: the segment then replays through one autograd node (:mod:`.segment_node`)
         self.node_runners = None
         self.handed = None  # this pass's :class:`~.segment_node.HandedOutputs`
+        self.members_draw = False  # a member drew random numbers in the recorded step
 
     def launched_for(self, runner) -> bool:
         """True when the segment's forward launched since ``runner`` last replayed."""
