@@ -91,7 +91,7 @@ class _Chain(LightningModule):
                  late=None) -> None:
         super().__init__()
         self.late = late  # from two steps after capture on, what happens to block 1's output (see _late)
-        drop = 0.2 if rng_between or grad_hook or late == "rng" else 0.0
+        drop = 0.2 if rng_between or grad_hook or late in ("rng", "subeval") else 0.0
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(drop), nn.Linear(32, 16))
                                     for _ in range(4))
         self.head = nn.Linear(16, 1)
@@ -154,6 +154,8 @@ def _late(module, x):
             module.blocks[2][0].weight.clamp_(-0.05, 0.05)
     if module.late == "eval":  # block 2 called in eval mode in the middle of the chain
         module.blocks[2].eval()
+    if module.late == "subeval":  # only block 2's dropout switched to eval (the graph would still drop)
+        module.blocks[2][2].eval()
     return x
 
 
@@ -266,6 +268,7 @@ def test_blocks_chained_into_a_segment_share_one_autograd_node():
     ("rng", r"'blocks\.3' is the last layer of a segment .* random numbers were drawn between its layer calls"),
     ("clamp", r"'blocks\.2' .* parameters was changed in place after the segment's graphs ran this layer"),
     ("eval", r"'blocks\.2' .* already ran it for this pass, but it was called in eval mode"),
+    ("subeval", r"(?s)'blocks\.2' .*train/eval mode changed since capture for submodule\(s\) \['2'\]"),
     ("freeze", r"'blocks\.0' .* \['0\.weight', '0\.bias', '3\.weight', '3\.bias'\] were frozen after capture"),
 ])
 def test_what_the_one_node_cannot_honour_after_capture_is_an_error_naming_the_layer(late, match):
@@ -274,26 +277,29 @@ def test_what_the_one_node_cannot_honour_after_capture_is_an_error_naming_the_la
     on it, or a read-only gradient hook registered on it after block 2 ran (no gradient reaches it outside the
     graph, so neither would ever see one); a random draw between blocks whose dropout draws (the segment made
     all the blocks' draws at its first call); block 2's weight clamped in place right before its call (the
-    segment already ran block 2); block 2 called in eval mode; block 0 frozen. Each is ``SegmentError`` naming
-    the layer, never a silent difference (the next test: the draw, the clamp and the eval call train like
+    segment already ran block 2); block 2 called in eval mode, or only its dropout; block 0 frozen. Each is ``SegmentError`` naming
+    the layer, never a silent difference (the next test: the draw, the clamp and the eval calls train like
     "ddp" with graphs.segments=false; freezing during training is unsupported with any graphed layer)."""
     with pytest.raises(SegmentError, match=match):
         _chain_fit("cg", 8, late=late)
 
 
-@pytest.mark.parametrize("late", ["rng", "clamp", "eval"])
+@pytest.mark.parametrize("late", ["rng", "clamp", "eval", "subeval"])
 def test_what_segments_refuse_trains_like_ddp_with_per_layer_graphs(late):
     """The cases above that per-layer graphs handle: with graphs.segments=false, training equals "ddp"
-    (CPU, eager backend: identical; 1e-6 bound)."""
+    (CPU, eager backend: identical; 1e-6 bound). ``subeval``: the call whose dropout was switched to eval no
+    longer matches its capture and runs eagerly (shape policy "eager", one warning)."""
     steps = 8
     seed_everything(5, workers=True)
     ref_model = _Chain(late=late)
     ref, _ = _fit("ddp", steps, ref_model, _ChainDM())
     seed_everything(5, workers=True)
     model = _Chain(late=late)
-    rec, _ = _fit("cg", steps, model, _ChainDM(), segments=False)
+    rec, trainer = _fit("cg", steps, model, _ChainDM(), segments=False)
     assert max_rel_diff(rec.losses, ref.losses) < 1e-6
     assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-6
+    if late == "subeval":  # the eager backend would replay the current mode anyway: the fallback is what counts
+        assert trainer.strategy.last_graph_stats.fallback_calls >= steps - (WARMUP + 2)
 
 
 def test_forward_pre_hook_added_after_capture_on_a_following_member_is_an_error():

@@ -282,7 +282,7 @@ class GraphManager:
             # the segment's first call ran eagerly in this pass (its arguments differed): so does the rest
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
-        if runner is None or not runner.signature.matches(args, kwargs) or not runner.autocast_matches():
+        if runner is None or not runner.signature.matches(args, kwargs) or not runner.settings_match():
             if follows:
                 raise SegmentError(
                     f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran "
@@ -349,7 +349,7 @@ class GraphManager:
                 "view or a detached copy of it, or extra arguments). A segment replays all or none of its layers. "
                 "Keep the chain x = layer(x), or set graphs.segments=false for this model."
             )
-        if not runner.autocast_matches():
+        if not runner.settings_match():
             raise SegmentError(
                 f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran "
                 "for this pass, but it was called under other settings than captured:\n  "

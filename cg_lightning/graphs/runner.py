@@ -114,6 +114,8 @@ class LayerGraphRunner:
         self.owned = owned_parameters(module)
         #: the module's parameters, to see in-place changes between a segment's launch and this layer's call
         self.module_params = list(module.parameters())
+        self._submodules = list(module.modules())
+        self._modes = tuple(map(_TRAINING, self._submodules))  # train/eval of each submodule at capture
         samples = signature.tensor_leaves(sample_args, sample_kwargs)
         self.static_inputs = [
             s.detach().clone().requires_grad_(m.requires_grad)
@@ -164,12 +166,26 @@ class LayerGraphRunner:
         the kernels of its capture: a block whose autocast is switched on or off later must not replay)."""
         return self.autocast is None or autocast_state() == self.autocast
 
+    def modes_match(self) -> bool:
+        """Every submodule of the layer is in the train/eval mode it was captured in (a graph replays its
+        capture's kernels: a dropout switched to eval alone would still drop). The layer itself in eval mode
+        never reaches a training graph (it runs eagerly or through :mod:`.eval_graphs`)."""
+        return tuple(map(_TRAINING, self._submodules)) == self._modes
+
+    def settings_match(self) -> bool:
+        """The autocast settings and the submodules' train/eval modes are the captured ones."""
+        return self.autocast_matches() and self.modes_match()
+
     def mismatches(self, args: tuple, kwargs: dict) -> List[str]:
-        """How a call differs from the captured one: argument lines (``CallSignature.mismatches``) and the
-        autocast settings."""
+        """How a call differs from the captured one: argument lines (``CallSignature.mismatches``), the
+        autocast settings and the submodules' train/eval modes."""
         out = self.signature.mismatches(args, kwargs)
         if not self.autocast_matches():
             out.append(f"autocast: captured {_describe_autocast(self.autocast)}, got {_describe_autocast(autocast_state())}")
+        if not self.modes_match():
+            changed = [name or "(the layer)" for (name, m), was in zip(self.module.named_modules(), self._modes)
+                       if m.training != was]
+            out.append(f"train/eval mode changed since capture for submodule(s) {changed}")
         return out
 
     # ----------------------------------------------------------------- building
@@ -557,6 +573,9 @@ class LayerGraphRunner:
             return flat[0]
         return pytree.tree_unflatten(list(flat), self._out_spec)
 
+
+
+_TRAINING = operator.attrgetter("training")
 
 def _describe_autocast(state: tuple) -> str:
     on = [f"{dt} {str(dtype).replace('torch.', '')}" for dt, enabled, dtype in state if enabled]
