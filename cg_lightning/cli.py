@@ -16,6 +16,7 @@ its first batch (:class:`cg_lightning.config.conflicts.ShapePolicyDataCheck`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -84,6 +85,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_intermixed_args(None if argv is None else list(argv))
     except SystemExit as exc:  # --help or a usage error (argparse already printed it)
         return exc.code if isinstance(exc.code, int) else EXIT_CONFIG_ERROR
+
+    if args.ckpt_path is not None and not os.path.isfile(args.ckpt_path):
+        print(f"error: --ckpt-path {args.ckpt_path!r}: no such file (a checkpoint is written at each validation, "
+              "under runs/lightning_logs/version_N/checkpoints/)", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
 
     if not args.config and not args.print_config:
         # the schema's defaults alone describe a full GPT run: refuse to start one by accident

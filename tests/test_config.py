@@ -698,3 +698,11 @@ def test_missing_value_names_expected_type(tmp_path):
     msg = error_of([cfg_file])
     assert msg.startswith("callbacks[0].class_path: missing value") and msg.endswith("; expected str")
     assert error_of([], ["model.init_args.hidden=???"]).endswith("; expected any value")  # free-form init_args
+
+
+def test_missing_checkpoint_is_an_error_line_with_status_2(capsys):
+    """``--ckpt-path`` naming no file stops before anything is built, with one ``error:`` line (was: a
+    traceback from Lightning and status 1)."""
+    assert main(["fit", "--config", "configs/gpt_tiny.yaml", "--ckpt-path", "nope.ckpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --ckpt-path 'nope.ckpt': no such file")

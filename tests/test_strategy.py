@@ -189,3 +189,14 @@ def test_two_process_block_applied_twice(tmp_path):
     for c in cg["ready_counts"]:
         assert c["model.blocks.0.fc_in.weight"] == 2 and c["model.blocks.0.ln1.bias"] == 2
         assert c["model.blocks.1.fc_in.weight"] == 1
+
+
+def test_python_options_errors_name_the_key_and_suggest():
+    """The Python API checks option dicts as the command line does: an unknown key names the closest field and
+    lists them all; ``layers`` given as one string (which would graph one module per character) is refused."""
+    with pytest.raises(TypeError, match=r"graphs: unknown key\(s\) 'segment' \(did you mean 'segments'\?\); valid keys: enabled"):
+        cg_lightning.CUDAGraphDDPStrategy(graphs={"segment": False})
+    with pytest.raises(TypeError, match=r"ddp: unknown key\(s\) 'bucket_size' \(did you mean 'bucket_size_mb'\?\)"):
+        cg_lightning.CUDAGraphDDPStrategy(ddp={"bucket_size": 4})
+    with pytest.raises(ValueError, match=r"graphs.layers must be a list of glob patterns, e.g. \['blocks\.\*'\]"):
+        cg_lightning.CUDAGraphDDPStrategy(graphs={"layers": "blocks.*"})

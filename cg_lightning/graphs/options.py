@@ -79,7 +79,7 @@ class GraphOptions:
             run eagerly.
 
     Raises:
-        ValueError: on an unknown backend or shape policy or a count below 1.
+        ValueError: on an unknown backend or shape policy, a count below 1, or ``layers`` given as one string.
     """
 
     enabled: bool = True
@@ -114,5 +114,8 @@ class GraphOptions:
                 f"graphs.num_warmup_iters must be >= 1 (parameter discovery needs one warmup), "
                 f"got {self.num_warmup_iters}"
             )
+        if isinstance(self.layers, str):  # list("blocks.*") would be one pattern per character
+            raise ValueError(f"graphs.layers must be a list of glob patterns, e.g. [{self.layers!r}], "
+                             f"got the string {self.layers!r}")
         if self.layers is not None:
             self.layers = list(self.layers)
