@@ -177,38 +177,29 @@ class _ChainDM(LightningDataModule):
         return torch.utils.data.DataLoader(_ChainData(), batch_size=None)
 
 
-def _chain_fit(name, steps, **kwargs):
+def _chain_fit(name, steps, segments=True, **kwargs):
     seed_everything(5, workers=True)
     model = _Chain(**kwargs)
     roles = _Roles()
-    rec, trainer = _fit(name, steps, model, _ChainDM(), callbacks=[roles])
+    rec, trainer = _fit(name, steps, model, _ChainDM(), segments=segments, callbacks=[roles])
     return model, rec, trainer, roles
 
 
-def test_an_op_between_blocks_splits_the_segment():
-    """``x = x * 0.5`` between blocks 1 and 2: blocks 0-1 and 2-3 form two segments; training equals "ddp"."""
-    steps = 8
-    ref_model, ref, _, _ = _chain_fit("ddp", steps, between=True)
-    model, rec, _, roles = _chain_fit("cg", steps, between=True)
-    assert roles.roles == [(True, False), (False, True), (True, False), (False, True)], roles.roles
-    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
-    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
-
-
-def test_intermediate_output_used_elsewhere_ends_the_segment():
-    """Block 1's output also feeds an auxiliary loss on every step: its gradient is the sum of two
-    contributions, which a segment's backward graph fed by block 2 alone could not know. The recorded step's
-    backward shows the second use (``segments.mark_outside_uses``), so blocks 0-1 and 2-3 form two segments;
-    training equals "ddp"."""
-    steps = 8
-    ref_model, ref, _, _ = _chain_fit("ddp", steps, aux=True)
-    model, rec, _, roles = _chain_fit("cg", steps, aux=True)
-    assert roles.roles == [(True, False), (False, True), (True, False), (False, True)], roles.roles
-    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
-    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
-
-
 SPLIT_AT_1 = [(True, False), (False, True), (True, False), (False, True)]  # segments blocks 0-1 and 2-3
+
+
+@pytest.mark.parametrize("kwargs", [{"between": True}, {"aux": True}], ids=["op_between", "aux_loss"])
+def test_what_separates_blocks_1_and_2_splits_the_segment(kwargs):
+    """``op_between``: ``x = x * 0.5`` between blocks 1 and 2. ``aux_loss``: block 1's output also feeds an
+    auxiliary loss on every step, so its gradient is the sum of two contributions, which a segment's backward
+    graph fed by block 2 alone could not know; the recorded step's backward shows the second use
+    (``segments.mark_outside_uses``). Either way blocks 0-1 and 2-3 form two segments; training equals "ddp"."""
+    steps = 8
+    ref_model, ref, _, _ = _chain_fit("ddp", steps, **kwargs)
+    model, rec, _, roles = _chain_fit("cg", steps, **kwargs)
+    assert roles.roles == SPLIT_AT_1, roles.roles
+    assert max_rel_diff(rec.losses, ref.losses) < 1e-5
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
 
 
 @pytest.mark.parametrize("case", ["grad_hook", "rng_between", "prehook", "backward_hook"])
@@ -290,12 +281,8 @@ def test_what_segments_refuse_trains_like_ddp_with_per_layer_graphs(late):
     (CPU, eager backend: identical; 1e-6 bound). ``subeval``: the call whose dropout was switched to eval no
     longer matches its capture and runs eagerly (shape policy "eager", one warning)."""
     steps = 8
-    seed_everything(5, workers=True)
-    ref_model = _Chain(late=late)
-    ref, _ = _fit("ddp", steps, ref_model, _ChainDM())
-    seed_everything(5, workers=True)
-    model = _Chain(late=late)
-    rec, trainer = _fit("cg", steps, model, _ChainDM(), segments=False)
+    ref_model, ref, _, _ = _chain_fit("ddp", steps, late=late)
+    model, rec, trainer, _ = _chain_fit("cg", steps, segments=False, late=late)
     assert max_rel_diff(rec.losses, ref.losses) < 1e-6
     assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-6
     if late == "subeval":  # the eager backend would replay the current mode anyway: the fallback is what counts

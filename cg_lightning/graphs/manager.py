@@ -23,7 +23,6 @@ autograd replay forward-only graphs kept apart from the training graphs (:mod:`.
 
 from __future__ import annotations
 
-import operator
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -34,16 +33,15 @@ import torch.nn as nn
 
 from . import direct_ready
 from .backends import make_backend
-from .buffer_reuse import check_shared_inputs
 from .eval_graphs import EvalGraphs
 from .graph_sets import CallRecord, GraphSet, GraphSetCache, StepRecord, describe
 from .options import GraphOptions
 from .replay import ReplayFunction
-from .segment_node import HandedOutputs, SegmentFunction, hook_on_intermediate
+from . import segment_node
 from .runner import LayerGraphRunner
 from .selection import select_layers
 from .autocast import autocast_state
-from .segments import SegmentError, breaks_between, find_segments, mark_outside_uses, rng_state
+from .segments import SegmentError, breaks_between, draws, find_segments, mark_outside_uses, rng_state
 from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError
 
@@ -302,83 +300,20 @@ class GraphManager:
         return runner.output_structure(flat)
 
     def _segment_launch(self, segment, tensors):
-        """The first call of a segment replayed through one autograd node: every member's output is computed
-        now; the first is returned, the others are handed to the following calls (:mod:`.segment_node`)."""
-        runners = segment.node_runners
-        for r in runners:
-            if all(p.requires_grad for p in r.apply_edges):
-                continue
-            names = {id(p): n for n, p in r.module.named_parameters()}
-            frozen = [names.get(id(p), "?") for p in r.apply_edges if not p.requires_grad]
-            if frozen:  # autograd would drop the whole chain, and the error would name the other layers
-                raise SegmentError(
-                    f"graphed {r.name!r} is inside a segment (graphs.segments=true) and its parameter(s) {frozen} "
-                    "were frozen after capture. Freezing or unfreezing parameters during training is not supported "
-                    "with graphed layers: do it before the first training step (or in a new fit)."
-                )
-        if segment.handed is not None:
-            segment.handed.release()  # the previous pass's, if its backward never ran
-        segment.handed = handed = HandedOutputs()
-        flat = SegmentFunction.apply(segment, *tensors, *[e for r in runners for e in r.apply_edges])
-        outputs, start = [], 0
-        for r in runners:
-            n = len(r.output_requires_grad)
-            outputs.append(r.output_structure(flat[start:start + n]))
-            start += n
-        handed.start(runners, outputs[:-1], outputs)
-        handed.param_versions = [tuple(map(_VERSION, r.module_params)) for r in runners]
-        if segment.members_draw:
-            handed.rng = rng_state(self.device)
+        """The first call of a segment replayed through one autograd node (:func:`.segment_node.launch`)."""
+        out = segment_node.launch(segment, tensors, self.device)
         self.stats.forward_replays += 1
         if self._active.direct_pending:
-            self._replayed.add(id(runners[0]))
-        return outputs[0]
+            self._replayed.add(id(segment.node_runners[0]))
+        return out
 
     def _segment_follower(self, layer: _Layer, runner, args: tuple, kwargs: dict):
-        """A following call of a segment replayed through one node: return the output the segment computed
-        for it, after checking it was called with the previous member's output, unchanged."""
-        entry = runner.segment.handed.take(runner) if runner.segment.handed is not None else None
-        if entry is None:  # the segment's first call ran eagerly in this pass (its arguments differed): so does this
+        """A following call of such a segment: the output the launch computed (:func:`.segment_node.follow`),
+        or an eager call when the segment's first call ran eagerly in this pass."""
+        out = segment_node.follow(runner, args, kwargs, self.device)
+        if out is None:
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
-        expected, out = entry
-        if kwargs or len(args) != 1 or args[0] is not expected:
-            raise SegmentError(
-                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran for "
-                "this pass, but it was not called with the previous layer's output itself (another tensor, a "
-                "view or a detached copy of it, or extra arguments). A segment replays all or none of its layers. "
-                "Keep the chain x = layer(x), or set graphs.segments=false for this model."
-            )
-        if not runner.settings_match():
-            raise SegmentError(
-                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran "
-                "for this pass, but it was called under other settings than captured:\n  "
-                + "\n  ".join(runner.mismatches(args, kwargs))
-                + "\nA segment replays all or none of its layers. Set graphs.segments=false for this model."
-            )
-        check_shared_inputs(runner, args)  # changed in place since it was returned: SegmentError
-        if expected._backward_hooks or expected.retains_grad:
-            raise SegmentError(hook_on_intermediate(runner.segment.node_runners, runner))
-        segment = runner.segment
-        handed = segment.handed
-        k = segment.node_runners.index(runner)
-        if tuple(map(_VERSION, runner.module_params)) != handed.param_versions[k]:
-            raise SegmentError(
-                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) and one of its parameters was "
-                "changed in place after the segment's graphs ran this layer for this pass (at the segment's first "
-                "call), e.g. clamped or renormalized between the layer calls. Change parameters outside the "
-                "forward (before the step's first layer call), or set graphs.segments=false for this model."
-            )
-        if segment.members_draw and k == len(segment.node_runners) - 1 and not torch.equal(
-                rng_state(self.device), handed.rng):
-            raise SegmentError(
-                f"graphed {layer.name!r} is the last layer of a segment (graphs.segments=true) whose layers draw "
-                "random numbers (dropout), and random numbers were drawn between its layer calls after capture: "
-                "the segment's graphs made all its layers' draws at its first call, so the draws would come in "
-                "another order than without graphs. Draw them before the segment's first layer or after its last "
-                "one (or from the first training step on: the recorded steps then end the segment there), or set "
-                "graphs.segments=false for this model."
-            )
         self.stats.forward_replays += 1
         if self._active.direct_pending:
             self._replayed.add(id(runner))
@@ -497,8 +432,8 @@ class GraphManager:
                                        segments_of=find_segments if self.options.segments else None)
         for call, runner in zip(calls, runners):
             segment = runner.segment
-            if segment is not None and segment.node_runners is not None and _draws(call):
-                segment.members_draw = True  # draws between its calls must then be refused (_segment_follower)
+            if segment is not None and segment.node_runners is not None and draws(call):
+                segment.members_draw = True  # draws between its calls must then be refused (segment_node.follow)
         for call in record.calls:
             call.output = call.output_node = call.rng_before = call.rng_after = None
         self.stats.capture_seconds += time.perf_counter() - start
@@ -546,15 +481,6 @@ class GraphManager:
         if self.backend is not None and self.backend.name == "cuda":
             return torch.cuda.memory_allocated(self.device)
         return 0
-
-
-_VERSION = operator.attrgetter("_version")
-
-
-def _draws(call: CallRecord) -> bool:
-    """The recorded call drew random numbers from the device's default generator (dropout)."""
-    a, b = call.rng_before, call.rng_after
-    return a is not None and b is not None and not torch.equal(a, b)
 
 
 def _detach_tree(tree):

@@ -52,6 +52,8 @@ from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regio
 from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
 from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reachable_leaves
 from .signature import CallSignature
+
+_TRAINING = operator.attrgetter("training")
 from .state import graph_capture, graph_warmup, grad_ready_reporter, recording_grad_ready
 from torch.utils import _pytree as pytree
 
@@ -573,9 +575,6 @@ class LayerGraphRunner:
             return flat[0]
         return pytree.tree_unflatten(list(flat), self._out_spec)
 
-
-
-_TRAINING = operator.attrgetter("training")
 
 def _describe_autocast(state: tuple) -> str:
     on = [f"{dt} {str(dtype).replace('torch.', '')}" for dt, enabled, dtype in state if enabled]

@@ -20,13 +20,17 @@ order); the node returns the first member's input gradients and every member's p
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .replay import check_second_backward, check_leaves_accumulate
-from .segments import SegmentError
+from .buffer_reuse import check_shared_inputs
+from .segments import SegmentError, rng_moved, rng_state
+
+_VERSION = operator.attrgetter("_version")
 
 
 def hook_on_intermediate(runners: Sequence, follower) -> str:
@@ -42,19 +46,22 @@ def hook_on_intermediate(runners: Sequence, follower) -> str:
 
 class HandedOutputs:
     """Per forward pass of one segment: for each following member, the tensor it must be called with (the
-    previous member's output) and the output to return."""
+    previous member's output), the output to return and its parameters' version counters after the launch."""
 
     def __init__(self) -> None:
-        self._pending: Dict[int, Tuple[torch.Tensor, object]] = {}
+        self._pending: Dict[int, Tuple[torch.Tensor, object, tuple]] = {}
         #: the intermediate outputs, held until the backward (or the next pass) to look for hooks on them;
         #: they are views of the segment's static outputs, so holding them keeps no extra memory
         self.intermediate: List[torch.Tensor] = []
-        self.param_versions: List[tuple] = []  # per member, its parameters' version counters after launch
-        self.rng: Optional[torch.Tensor] = None  # the device RNG state after launch (members that draw only)
+        self.rng: Optional[torch.Tensor] = None  # the device RNG state after the launch (members that draw)
 
-    def start(self, runners: Sequence, expected_inputs: Sequence[torch.Tensor], outputs: Sequence) -> None:
-        self._pending = {id(r): (x, out) for r, x, out in zip(runners[1:], expected_inputs, outputs[1:])}
-        self.intermediate = list(expected_inputs)
+    def start(self, runners: Sequence, outputs: Sequence, rng: Optional[torch.Tensor]) -> None:
+        """After the launch: every member's ``outputs`` (structured as its layer returns them)."""
+        expected = outputs[:-1]
+        self._pending = {id(r): (x, out, tuple(map(_VERSION, r.module_params)))
+                         for r, x, out in zip(runners[1:], expected, outputs[1:])}
+        self.intermediate = list(expected)
+        self.rng = rng
 
     def release(self) -> None:
         """Drop the held outputs (they reference the segment's node, which references this object)."""
@@ -63,10 +70,93 @@ class HandedOutputs:
     def pending(self, runner) -> bool:
         return id(runner) in self._pending
 
-    def take(self, runner) -> Optional[Tuple[torch.Tensor, object]]:
-        """``(expected input, output)`` for ``runner`` in this pass, or ``None`` if the segment did not launch
-        for it (its first call ran eagerly, or ``runner`` was already called)."""
+    def take(self, runner) -> Optional[Tuple[torch.Tensor, object, tuple]]:
+        """``(expected input, output, parameter versions)`` for ``runner`` in this pass, or ``None`` if the
+        segment did not launch for it (its first call ran eagerly, or ``runner`` was already called)."""
         return self._pending.pop(id(runner), None)
+
+
+def launch(segment, tensors: Sequence[torch.Tensor], device: torch.device):
+    """The segment's first call: apply :class:`SegmentFunction` and return the first member's output; the
+    others wait in ``segment.handed`` for :func:`follow`.
+
+    Raises:
+        SegmentError: a member's parameter edge was frozen after capture (autograd would drop the whole chain,
+            and the engine's missing-gradient error would name the other layers).
+    """
+    runners = segment.node_runners
+    for r in runners:
+        if not all(p.requires_grad for p in r.apply_edges):
+            names = {id(p): n for n, p in r.module.named_parameters()}
+            frozen = [names.get(id(p), "?") for p in r.apply_edges if not p.requires_grad]
+            raise SegmentError(
+                f"graphed {r.name!r} is inside a segment (graphs.segments=true) and its parameter(s) {frozen} "
+                "were frozen after capture. Freezing or unfreezing parameters during training is not supported "
+                "with graphed layers: do it before the first training step (or in a new fit)."
+            )
+    if segment.handed is not None:
+        segment.handed.release()  # the previous pass's, if its backward never ran
+    segment.handed = handed = HandedOutputs()  # the node's forward keeps it for its backward's checks
+    flat = SegmentFunction.apply(segment, *tensors, *[e for r in runners for e in r.apply_edges])
+    outputs, start = [], 0
+    for r in runners:
+        n = len(r.output_requires_grad)
+        outputs.append(r.output_structure(flat[start:start + n]))
+        start += n
+    handed.start(runners, outputs, rng_state(device) if segment.members_draw else None)
+    return outputs[0]
+
+
+def follow(runner, args: tuple, kwargs: dict, device: torch.device):
+    """A following member's call: the output :func:`launch` computed for it, or ``None`` when the segment did
+    not launch in this pass (the caller then runs the layer eagerly; a member's output is never ``None``).
+
+    Raises:
+        SegmentError: naming the layer, when the call is not what the segment computed for it: another
+            argument than the previous member's output itself, other autocast or train/eval settings, an
+            in-place change of that output or of the layer's parameters since the launch, a gradient hook on
+            that output, or (last member) a random draw between the calls of a segment whose layers draw.
+    """
+    segment = runner.segment
+    entry = segment.handed.take(runner) if segment.handed is not None else None
+    if entry is None:
+        return None
+    expected, out, versions = entry
+    name = runner.name
+    if kwargs or len(args) != 1 or args[0] is not expected:
+        raise SegmentError(
+            f"graphed {name!r} is inside a segment (graphs.segments=true) whose graphs already ran for this pass, "
+            "but it was not called with the previous layer's output itself (another tensor, a view or a detached "
+            "copy of it, or extra arguments). A segment replays all or none of its layers. Keep the chain "
+            "x = layer(x), or set graphs.segments=false for this model."
+        )
+    if not runner.settings_match():
+        raise SegmentError(
+            f"graphed {name!r} is inside a segment (graphs.segments=true) whose graphs already ran for this pass, "
+            "but it was called under other settings than captured:\n  " + "\n  ".join(runner.mismatches(args, kwargs))
+            + "\nA segment replays all or none of its layers. Set graphs.segments=false for this model."
+        )
+    check_shared_inputs(runner, args)  # changed in place since it was returned: SegmentError
+    if expected._backward_hooks or expected.retains_grad:
+        raise SegmentError(hook_on_intermediate(segment.node_runners, runner))
+    if tuple(map(_VERSION, runner.module_params)) != versions:
+        raise SegmentError(
+            f"graphed {name!r} is inside a segment (graphs.segments=true) and one of its parameters was changed in "
+            "place after the segment's graphs ran this layer for this pass (at the segment's first call), e.g. "
+            "clamped or renormalized between the layer calls. Change parameters outside the forward (before the "
+            "step's first layer call), or set graphs.segments=false for this model."
+        )
+    if segment.handed.rng is not None and runner is segment.node_runners[-1] \
+            and rng_moved(segment.handed.rng, rng_state(device)):
+        raise SegmentError(
+            f"graphed {name!r} is the last layer of a segment (graphs.segments=true) whose layers draw random "
+            "numbers (dropout), and random numbers were drawn between its layer calls after capture: the "
+            "segment's graphs made all its layers' draws at its first call, so the draws would come in another "
+            "order than without graphs. Draw them before the segment's first layer or after its last one (or "
+            "from the first training step on: the recorded steps then end the segment there), or set "
+            "graphs.segments=false for this model."
+        )
+    return out
 
 
 class SegmentFunction(torch.autograd.Function):

@@ -100,7 +100,16 @@ def _module_hooks_between(first: torch.nn.Module, second: torch.nn.Module) -> bo
 
 
 def _random_draw_between(prev, call) -> bool:
-    a, b = prev.rng_after, call.rng_before
+    return rng_moved(prev.rng_after, call.rng_before)
+
+
+def draws(call) -> bool:
+    """The recorded call drew random numbers from the device's default generator (dropout inside it)."""
+    return rng_moved(call.rng_before, call.rng_after)
+
+
+def rng_moved(a, b) -> bool:
+    """Two :func:`rng_state` snapshots differ (``None``: not taken, nothing to tell)."""
     return a is not None and b is not None and not torch.equal(a, b)
 
 
