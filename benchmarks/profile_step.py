@@ -101,6 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    ap.add_argument("--trace", action="store_true",
+                    help="also export the torch.profiler Chrome trace and print its idle gaps (benchmarks.trace_gaps)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_step needs a CUDA GPU")
@@ -148,12 +150,21 @@ def main(argv=None) -> None:
         pstats.Stats(prof.cprof, stream=buf).sort_stats(key).print_stats(a.top)
     print("\n## torch.profiler, top CPU ops by self time\n", file=buf)
     print(events.table(sort_by="self_cpu_time_total", row_limit=25), file=buf)
-    text = buf.getvalue()
     os.makedirs(a.out, exist_ok=True)
+    if a.trace:
+        from benchmarks.trace_gaps import analyse
+
+        trace = os.path.join(a.out, f"trace_{a.peer}_{a.size}_{name}.json")
+        prof.torch_prof.export_chrome_trace(trace)
+        print("\n" + analyse(trace, a.steps, 5.0), file=buf)
+    text = buf.getvalue()
     path = os.path.join(a.out, f"profile_{a.peer}_{a.size}_{name}.txt")
+    prof.cprof.dump_stats(path[:-4] + ".pstats")  # for pstats.Stats(...).print_callers() elsewhere
     with open(path, "w") as f:
         f.write(text)
     print(text[:6000])
+    if a.trace:
+        print(text[text.index("# device timeline"):][:6000])
     print(f"wrote {path}")
 
 

@@ -138,3 +138,84 @@ def test_more_reports_than_golden_is_a_named_error():
     lin(torch.randn(2, 4)).sum().backward()
     with pytest.raises(GradSyncError, match=r"weight \(ready 2 times, expected 1\)"):
         engine.finish_grad_sync()
+
+
+def test_batched_grad_ready_reports_count_like_one_by_one():
+    """A graph replay reports its parameters through one batched call (``graphs.state.batched_reporter`` ->
+    ``DataParallelEngine.ready_batch``). Against the same reports made one by one on a twin engine: the same
+    per-parameter counts, the same complete/dispatched buckets in the same order, the same overshoot error
+    naming the parameter, nothing counted under no_sync, and with a ready_observer every occurrence observed in
+    order."""
+    import torch
+
+    from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
+    from cg_lightning.graphs.state import batched_reporter, grad_ready_reporter
+
+    def engine_of(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+        # tiny buckets: several buckets, so completion and dispatch order are visible
+        return DataParallelEngine(model, DDPOptions(bucket_size_mb=16 / 2**20)), model
+
+    one, m1 = engine_of(0)
+    many, m2 = engine_of(0)
+    assert len(one.buckets) > 2
+    params1, params2 = list(m1.parameters()), list(m2.parameters())
+    order = [4, 5, 0, 2, 1, 3, 4]  # out of bucket order, one parameter twice
+    batch = batched_reporter([grad_ready_reporter(params2[i]) for i in order])
+    assert not any(getattr(grad_ready_reporter(p), "batch", None) is None for p in params2)
+
+    def report(k):
+        for i in order:
+            grad_ready_reporter(params1[i])()
+        batch()
+
+    # first iteration: counts become the golden counts (every parameter must report: the rest one by one)
+    rest = [i for i in range(len(params1)) if i not in order]
+    for e, ps in ((one, params1), (many, params2)):
+        for i in rest:
+            grad_ready_reporter(ps[i])()
+    report(0)
+    assert [b.slot_counts for b in one.buckets] == [b.slot_counts for b in many.buckets]
+    for e in (one, many):
+        e.finish_grad_sync()
+    assert one.last_ready_counts == many.last_ready_counts
+    assert many.last_ready_counts["0.weight"] == 1 and many.last_ready_counts["2.weight"] == 2
+
+    # replayed iterations: the buckets complete and are dispatched in the same order
+    for e, ps in ((one, params1), (many, params2)):
+        for i in rest:
+            grad_ready_reporter(ps[i])()
+    report(1)
+    assert one.dispatch_log == many.dispatch_log == list(range(len(one.buckets)))
+    assert all(b.complete for b in many.buckets)
+    for e in (one, many):
+        e.finish_grad_sync()
+
+    # under no_sync nothing is counted
+    with many.no_sync():
+        batch()
+    assert all(c == 0 for b in many.buckets for c in b.slot_counts)
+
+    # a batch reported twice overshoots: the same named error as one by one
+    for e, ps in ((one, params1), (many, params2)):
+        for i in rest:
+            grad_ready_reporter(ps[i])()
+    report(2)
+    for i in order:
+        grad_ready_reporter(params1[i])()
+    batch()
+    errors = []
+    for e in (one, many):
+        with pytest.raises(GradSyncError) as info:
+            e.finish_grad_sync()
+        errors.append(str(info.value).split(": ", 1)[1].split(". ")[0])
+    assert errors[0] == errors[1] and "2.weight (ready 4 times, expected 2)" in errors[1], errors
+
+    # with an observer, every occurrence is observed, in order
+    seen = []
+    many.ready_observer = seen.append
+    for b in many.buckets:
+        b.reset()
+    batch()
+    assert [next(i for i, q in enumerate(params2) if q is p) for p in seen] == order

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,27 @@ class Bucket:
             if count > expected:
                 self.overshoot = True
         return False
+
+    def register_many(self, slots: Sequence[int]) -> bool:
+        """:meth:`register_ready` for each of ``slots`` in turn (a graph replay's reports, counted in one call);
+        True when the bucket became complete during them."""
+        counts = self.slot_counts
+        golden = self.slot_golden
+        if golden is None:
+            for slot in slots:
+                counts[slot] += 1
+            return False
+        became = False
+        for slot in slots:
+            count = counts[slot] + 1
+            counts[slot] = count
+            expected = golden[slot]
+            if count == expected:
+                self.pending -= 1
+                became = self.pending == 0
+            elif count > expected:
+                self.overshoot = True
+        return became
 
     @property
     def complete(self) -> bool:

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import operator
+from collections import deque
+from itertools import repeat
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -29,6 +32,8 @@ from .buffer import GradBuffer
 from .bucket import Bucket
 from .errors import GradSyncError
 from .options import DDPOptions
+
+_MAIN_GRAD = operator.attrgetter("main_grad")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,6 +125,9 @@ class DataParallelEngine(nn.Module):
             if grad_accumulator_stream is not None:
                 self._grad_streams.append(grad_accumulator_stream)
             self._comm_stream = torch.cuda.Stream(device=device)
+        # expose_grads' fast path: the main_grad views as made here (checked by identity at every use)
+        self._main_grads = [p.main_grad for p in self.params]
+        self._main_grads_same_dtype = all(g.dtype is p.dtype for p, g in zip(self.params, self._main_grads))
         self.sync_enabled = True
         self.golden_known = False
         # called with the parameter at every grad-ready occurrence, before counting (tracing and tests)
@@ -168,15 +176,7 @@ class DataParallelEngine(nn.Module):
 
     # ----------------------------------------------------------------- hooks
     def _make_hook(self, param: nn.Parameter, bucket: Bucket, slot: int):
-        engine = self
-
-        def notify() -> None:  # one grad-ready occurrence of ``param``; see register_grad_ready
-            observer = engine.ready_observer
-            if observer is not None:
-                observer(param)
-            if engine.sync_enabled and bucket.register_ready(slot):
-                engine._dispatch_ready_prefix()
-
+        notify = _Reporter(self, param, bucket, slot)
         set_grad_ready_reporter(param, notify)
 
         def hook(*_unused) -> None:
@@ -206,6 +206,34 @@ class DataParallelEngine(nn.Module):
         bucket and slot, so the hot path does no lookups).
         """
         grad_ready_reporter(param)()
+
+    def ready_batch(self, reporters: List["_Reporter"]) -> Callable[[], None]:
+        """A callable with the effect of calling each of ``reporters`` (this engine's) in order, counted per
+        bucket in one pass (:meth:`Bucket.register_many`); complete buckets are dispatched after the whole batch
+        is counted, in bucket order as always. A graph replay reports its parameters through one such call
+        (``graphs.state.batched_reporter``). With a ``ready_observer`` set, the reporters are called one by
+        one, so the observer sees every occurrence in order."""
+        reporters = list(reporters)
+        groups: Dict[int, tuple] = {}
+        for r in reporters:
+            groups.setdefault(id(r.bucket), (r.bucket, []))[1].append(r.slot)
+        plan = [(bucket, tuple(slots)) for bucket, slots in groups.values()]
+
+        def report_all() -> None:
+            if self.ready_observer is not None:
+                for r in reporters:
+                    r()
+                return
+            if not self.sync_enabled:
+                return
+            complete = False
+            for bucket, slots in plan:
+                if bucket.register_many(slots):
+                    complete = True
+            if complete:
+                self._dispatch_ready_prefix()
+
+        return report_all
 
     def _dispatch_ready_prefix(self) -> None:
         buckets = self.buckets
@@ -340,8 +368,15 @@ class DataParallelEngine(nn.Module):
 
     # ----------------------------------------------------------------- optimizer glue
     def expose_grads(self) -> None:
-        """Point ``param.grad`` at ``main_grad`` (a cast copy if dtypes differ) for optimizers and clipping."""
-        for p in self.params:
+        """Point ``param.grad`` at ``main_grad`` (a cast copy if dtypes differ) for optimizers and clipping.
+
+        Every step; while every ``main_grad`` is still the view the engine made and has its parameter's dtype
+        (the usual case), in C-level ``map`` calls rather than a Python loop over the parameters."""
+        params, mains = self.params, self._main_grads
+        if self._main_grads_same_dtype and all(map(operator.is_, map(_MAIN_GRAD, params), mains)):
+            deque(map(setattr, params, repeat("grad"), mains), maxlen=0)
+            return
+        for p in params:
             g = p.main_grad
             p.grad = g if g.dtype is p.dtype else g.to(p.dtype)
 
@@ -357,3 +392,26 @@ class DataParallelEngine(nn.Module):
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(t.data, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+
+
+class _Reporter:
+    """One parameter's grad-ready occurrence, reported to its engine: called by the parameter's hook and by
+    graph replays (``graphs.state.grad_ready_reporter``). Bound to its bucket and slot, so the hot path does no
+    lookups; ``batch`` lets a replay combine several into one call (:meth:`DataParallelEngine.ready_batch`)."""
+
+    __slots__ = ("engine", "param", "bucket", "slot", "batch")
+
+    def __init__(self, engine: DataParallelEngine, param: nn.Parameter, bucket: Bucket, slot: int) -> None:
+        self.engine = engine
+        self.param = param
+        self.bucket = bucket
+        self.slot = slot
+        self.batch = engine.ready_batch
+
+    def __call__(self) -> None:
+        engine = self.engine
+        observer = engine.ready_observer
+        if observer is not None:
+            observer(self.param)
+        if engine.sync_enabled and self.bucket.register_ready(self.slot):
+            engine._dispatch_ready_prefix()

@@ -33,9 +33,10 @@ class BufferReuseError(RuntimeError):
 def copy_into_static(statics: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
     """Copy each argument into its graph's static input buffer, skipping one that already is that buffer
     (a chained or reused call hands the static tensor itself)."""
-    with torch.no_grad():
-        for static, value in zip(statics, values):
-            if static.data_ptr() != value.data_ptr():
+    todo = [(static, value) for static, value in zip(statics, values) if static.data_ptr() != value.data_ptr()]
+    if todo:  # a chained segment member has nothing to copy: no no_grad context either (2-3 us per call)
+        with torch.no_grad():
+            for static, value in todo:
                 static.copy_(value)
 
 

@@ -54,7 +54,7 @@ from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reach
 from .signature import CallSignature
 
 _TRAINING = operator.attrgetter("training")
-from .state import graph_capture, graph_warmup, grad_ready_reporter, recording_grad_ready
+from .state import batched_reporter, graph_capture, graph_warmup, grad_ready_reporter, recording_grad_ready
 from torch.utils import _pytree as pytree
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getter for the per-replay frozen check
@@ -140,6 +140,7 @@ class LayerGraphRunner:
         self.outputs_shared = False
         self.returned_versions: List[int] = []
         self.replay_plan: List[Callable[[], None]] = []
+        self._report_all: Callable[[], None] = batched_reporter(())  # replay_plan + direct, in one call
         self.clone_slots: List[bool] = []
         self.output_requires_grad: List[bool] = []
         self._out_spec = None
@@ -305,6 +306,8 @@ class LayerGraphRunner:
         ]
         self.apply_edges = list(self.edge_params)  # the parameters the replay node takes as inputs
         self._edge_keep: Optional[List[bool]] = None  # per edge_params slot: still an input of the node
+        # (edge slot, clone it) for every slot still an input of the node: what replay_backward returns
+        self._returned_edges = list(enumerate(self.clone_slots))
         self.direct_params: List[torch.nn.Parameter] = []
         self._direct_notifiers: List[Callable[[], None]] = []
         if not self.defer_static_grad_outputs:
@@ -339,9 +342,12 @@ class LayerGraphRunner:
         if any(n is None for n in notifiers):
             raise ValueError(f"graphed {self.name!r}: a parameter without a grad-ready reporter (no DDP engine)")
         self._edge_keep = [id(p) not in chosen for p in self.edge_params]
+        self._returned_edges = [(k, clone) for k, (clone, keep) in enumerate(zip(self.clone_slots, self._edge_keep))
+                                if keep]
         self.apply_edges = [p for p in self.edge_params if id(p) not in chosen]
         self.direct_params = direct
         self._direct_notifiers = notifiers
+        self._report_all = batched_reporter(self.replay_plan + notifiers)
 
     def make_static_grad_outputs(self) -> None:
         """Allocate the buffers the backward graph reads its output gradients from. Outside any capture
@@ -425,13 +431,19 @@ class LayerGraphRunner:
         param_slots: List[Optional[torch.Tensor]] = []
         into_main_grad = set(map(id, self._main_grad_params))
         edges = set(map(id, self.edge_params))
+        # (main_grad, gradient) pairs, added by one foreach call: the same elementwise additions as one
+        # main_grad.add_ per parameter (bit-identical), in a few multi-tensor kernels instead of one kernel
+        # per parameter (benchmarks/NOTES.md, session 7: 149 add kernels, about 0.3 ms of device time per step)
+        mains: List[torch.Tensor] = []
+        addends: List[torch.Tensor] = []
         for p, wgrad, old in zip(params, wgrads, stashed):
             nested = p.grad
             p.grad = old
             total = wgrad if nested is None else (nested if wgrad is None else wgrad + nested)
             if id(p) in into_main_grad:
                 if total is not None:
-                    p.main_grad.add_(total)
+                    mains.append(p.main_grad)
+                    addends.append(total)
                 total = None
             if id(p) in edges:
                 param_slots.append(total)
@@ -439,7 +451,10 @@ class LayerGraphRunner:
         for p in foreign:
             nested, p.grad = p.grad, None
             if nested is not None and hasattr(p, "main_grad"):
-                p.main_grad.add_(nested)
+                mains.append(p.main_grad)
+                addends.append(nested)
+        if mains:
+            torch._foreach_add_(mains, addends)
         return input_grads + param_slots
 
     def _foreign_in(self, occurrences) -> List[torch.nn.Parameter]:
@@ -476,6 +491,7 @@ class LayerGraphRunner:
             self._recording = None
         self._foreign_params = self._foreign_in(occurrences)
         self.replay_plan = self._build_replay_plan(occurrences)
+        self._report_all = batched_reporter(self.replay_plan + self._direct_notifiers)
         self.recorded_occurrences = [p for p, _ in occurrences]
 
     def _build_replay_plan(self, occurrences) -> List[Callable[[], None]]:
@@ -555,19 +571,15 @@ class LayerGraphRunner:
         self._bwd.replay()
         grads = self._bwd.outputs
         n_in = len(grads) - len(self.edge_params)
-        input_grads = []
         it = iter(grads[:n_in])
-        for t in self.static_inputs:
-            input_grads.append(next(it) if t.requires_grad else None)
+        input_grads = [next(it) if t.requires_grad else None for t in self.static_inputs]
         param_grads = [
-            None if g is None else (g.clone() if clone else g) for g, clone in zip(grads[n_in:], self.clone_slots)
+            None if g is None else (g.clone() if clone else g)
+            for g, clone in ((grads[n_in + k], clone) for k, clone in self._returned_edges)
         ]
-        if self._edge_keep is not None:
-            param_grads = [g for g, keep in zip(param_grads, self._edge_keep) if keep]
-        for notify in self.replay_plan:
-            notify()
-        for notify in self._direct_notifiers:  # where their AccumulateGrad nodes would have reported
-            notify()
+        # the recorded notifications, then the directly reported parameters (where their AccumulateGrad nodes
+        # would have reported), in one call
+        self._report_all()
         return (*input_grads, *param_grads)
 
     def output_structure(self, flat: tuple):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,6 +84,31 @@ def grad_ready_reporter(param: torch.nn.Parameter) -> Optional[Callable[[], None
     if entry is None or entry[0]() is not param:
         return None
     return entry[1]
+
+
+def _report_nothing() -> None:
+    pass
+
+
+def batched_reporter(notifiers: Sequence[Callable[[], None]]) -> Callable[[], None]:
+    """One callable with the effect of calling each of ``notifiers`` in order (a replay's grad-ready reports).
+
+    Reporters that carry the same ``batch`` attribute (the DDP engine's do: ``DataParallelEngine.ready_batch``)
+    are combined by it, so a replay that reports 12 parameters makes one call that counts them all instead of
+    12 (issue 8's "bucket-level bookkeeping"; ``benchmarks/NOTES.md``, session 7). Others are called one by one.
+    """
+    notifiers = list(notifiers)
+    if not notifiers:
+        return _report_nothing
+    batch = getattr(notifiers[0], "batch", None)
+    if batch is not None and all(getattr(n, "batch", None) == batch for n in notifiers):
+        return batch(notifiers)
+
+    def report_each() -> None:
+        for notify in notifiers:
+            notify()
+
+    return report_each
 
 
 @contextlib.contextmanager

@@ -1,0 +1,123 @@
+"""What the device does per training step under one peer, and how long it idles: ``torch.profiler`` with
+device activity only, over ``--steps`` steady-state steps, summarised by :mod:`benchmarks.trace_gaps`.
+
+On a GPU, from the repository root::
+
+    python -m benchmarks.device_work --size tiny --peers whole_step_graph cudagraph_ddp
+
+Comparing a peer with ``whole_step_graph`` (the same kernels in one graph) separates extra device work
+(copies, ``main_grad`` additions, memsets: more operations or more busy time) from idle time (gaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from lightning.pytorch import Callback
+
+from benchmarks.common import SIZES, VOCAB_SIZE, RunSettings, sync
+from benchmarks.trace_gaps import analyse
+
+
+def _profiler():
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+
+
+class _Window(Callback):
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.steps, self.done, self.prof = warmup, steps, 0, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.done == self.warmup:
+            sync(pl_module.device)
+            self.prof = _profiler()
+            self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.done += 1
+        if self.done == self.warmup + self.steps:
+            sync(pl_module.device)
+            self.prof.__exit__(None, None, None)
+
+
+def _whole_step(s: RunSettings, warmup: int, steps: int):
+    import benchmarks.peers.whole_step_graph as peer
+
+    box = {}
+
+    def time_loop(step, batches, _s):
+        for i in range(warmup):
+            loss = step(batches[i % len(batches)])
+        sync(s.device)
+        with _profiler() as prof:
+            for i in range(steps):
+                loss = step(batches[i % len(batches)])
+            sync(s.device)
+        box["prof"] = prof
+        from benchmarks.common import LoopTiming
+        return LoopTiming([1.0], 0.0, [], loss)
+
+    original = peer.time_loop
+    peer.time_loop = time_loop
+    try:
+        peer.run(s)
+    finally:
+        peer.time_loop = original
+    return box["prof"]
+
+
+def _lightning(s: RunSettings, peer: str, warmup: int, steps: int):
+    import benchmarks.peers._lightning as lit
+    from benchmarks.profile_step import OPTIONS_OF
+
+    window = _Window(warmup, steps)
+    original = lit.Trainer
+    lit.Trainer = lambda *a, **k: original(*a, **{**k, "callbacks": list(k.get("callbacks", [])) + [window]})
+    try:
+        if peer == "lightning_ddp":
+            lit.fit_timed(s, "ddp")
+        else:
+            import cg_lightning
+
+            graphs = {"warmup_steps": 2, **OPTIONS_OF[peer]}
+            if peer == "cudagraph_ddp_glue":
+                from benchmarks.peers.cudagraph_ddp import GLUE_LAYERS
+
+                graphs["layers"] = GLUE_LAYERS
+            lit.fit_timed(s, cg_lightning.CUDAGraphDDPStrategy(graphs=graphs))
+    finally:
+        lit.Trainer = original
+    return window.prof
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.device_work", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    ap.add_argument("--peers", nargs="+", default=["whole_step_graph", "cudagraph_ddp"])
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("device_work needs a CUDA GPU")
+    os.makedirs(a.out, exist_ok=True)
+    for peer in a.peers:
+        s = RunSettings(device=torch.device("cuda"), size_name=a.size, size=SIZES[a.size], vocab_size=VOCAB_SIZE,
+                        warmup=a.warmup + a.steps + 1, steps=1, repeats=1)
+        prof = _whole_step(s, a.warmup, a.steps) if peer == "whole_step_graph" else _lightning(s, peer, a.warmup, a.steps)
+        trace = os.path.join(a.out, f"device_{peer}_{a.size}.json")
+        prof.export_chrome_trace(trace)
+        print(f"\n# {peer}\n" + analyse(trace, a.steps, 5.0))
+        os.remove(trace)
+        from benchmarks.common import free_memory
+        free_memory(s.device)
+
+
+if __name__ == "__main__":
+    main()
