@@ -7,6 +7,11 @@ On a GPU, from the repository root::
 
 Comparing a peer with ``whole_step_graph`` (the same kernels in one graph) separates extra device work
 (copies, ``main_grad`` additions, memsets: more operations or more busy time) from idle time (gaps).
+
+``--host-ahead-ms``: a ``torch.cuda._sleep`` of that long is put in front of the window, so the host queues the
+window's steps while the device sleeps (the profiler's own host overhead then cannot starve the device); the
+report starts after the sleep kernel: the device's own time per step, with the gaps that remain when it never
+waits for the host.
 """
 
 from __future__ import annotations
@@ -29,15 +34,24 @@ def _profiler():
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 
 
+_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts clock cycles; about 2 GHz
+
+
+def _sleep(ms: float) -> None:
+    if ms > 0:
+        torch.cuda._sleep(int(ms * _CYCLES_PER_MS))
+
+
 class _Window(Callback):
-    def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.steps, self.done, self.prof = warmup, steps, 0, None
+    def __init__(self, warmup: int, steps: int, ahead_ms: float = 0.0) -> None:
+        self.warmup, self.steps, self.done, self.prof, self.ahead_ms = warmup, steps, 0, None, ahead_ms
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.done == self.warmup:
             sync(pl_module.device)
             self.prof = _profiler()
             self.prof.__enter__()
+            _sleep(self.ahead_ms)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.done += 1
@@ -46,7 +60,7 @@ class _Window(Callback):
             self.prof.__exit__(None, None, None)
 
 
-def _whole_step(s: RunSettings, warmup: int, steps: int):
+def _whole_step(s: RunSettings, warmup: int, steps: int, ahead_ms: float = 0.0):
     import benchmarks.peers.whole_step_graph as peer
 
     box = {}
@@ -56,6 +70,7 @@ def _whole_step(s: RunSettings, warmup: int, steps: int):
             loss = step(batches[i % len(batches)])
         sync(s.device)
         with _profiler() as prof:
+            _sleep(ahead_ms)
             for i in range(steps):
                 loss = step(batches[i % len(batches)])
             sync(s.device)
@@ -72,11 +87,11 @@ def _whole_step(s: RunSettings, warmup: int, steps: int):
     return box["prof"]
 
 
-def _lightning(s: RunSettings, peer: str, warmup: int, steps: int):
+def _lightning(s: RunSettings, peer: str, warmup: int, steps: int, ahead_ms: float = 0.0):
     import benchmarks.peers._lightning as lit
     from benchmarks.profile_step import OPTIONS_OF
 
-    window = _Window(warmup, steps)
+    window = _Window(warmup, steps, ahead_ms)
     original = lit.Trainer
     lit.Trainer = lambda *a, **k: original(*a, **{**k, "callbacks": list(k.get("callbacks", [])) + [window]})
     try:
@@ -103,6 +118,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    ap.add_argument("--host-ahead-ms", type=float, default=0.0)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("device_work needs a CUDA GPU")
@@ -110,10 +126,13 @@ def main(argv=None) -> None:
     for peer in a.peers:
         s = RunSettings(device=torch.device("cuda"), size_name=a.size, size=SIZES[a.size], vocab_size=VOCAB_SIZE,
                         warmup=a.warmup + a.steps + 1, steps=1, repeats=1)
-        prof = _whole_step(s, a.warmup, a.steps) if peer == "whole_step_graph" else _lightning(s, peer, a.warmup, a.steps)
+        ahead = a.host_ahead_ms
+        prof = (_whole_step(s, a.warmup, a.steps, ahead) if peer == "whole_step_graph"
+                else _lightning(s, peer, a.warmup, a.steps, ahead))
         trace = os.path.join(a.out, f"device_{peer}_{a.size}.json")
         prof.export_chrome_trace(trace)
-        print(f"\n# {peer}\n" + analyse(trace, a.steps, 5.0))
+        print(f"\n# {peer}" + (f" (host ahead: {ahead:g} ms device sleep first)" if ahead else "") + "\n"
+              + analyse(trace, a.steps, 5.0, after_kernel="spin" if ahead else ""))
         os.remove(trace)
         from benchmarks.common import free_memory
         free_memory(s.device)

@@ -47,9 +47,17 @@ def _enclosing(host: Dict[int, List[dict]], tid: int, ts: float, end: float) -> 
     return [e["name"] for e in host.get(tid, ()) if e["ts"] <= ts and e["ts"] + e["dur"] >= end]
 
 
-def analyse(path: str, steps: int, min_gap_us: float) -> str:
+def analyse(path: str, steps: int, min_gap_us: float, after_kernel: str = "") -> str:
+    """The report (text). ``after_kernel``: drop the device work up to the end of the first kernel whose name
+    contains it (a ``torch.cuda._sleep`` put in front of the window so the host runs ahead: what remains is the
+    device's own time for the steps, its gaps included)."""
     events = _load(path)
     device = [e for e in events if e.get("cat") in _DEVICE_CATS]
+    if after_kernel:
+        marker = next((e for e in sorted(device, key=lambda e: e["ts"]) if after_kernel in e["name"]), None)
+        if marker is not None:
+            end = marker["ts"] + marker["dur"]
+            device = [e for e in device if e["ts"] >= end]
     if not device:
         return f"{path}: no device events"
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]

@@ -106,3 +106,35 @@ def test_unknown_peer_or_size_is_refused():
     a = step_time.parse_args(["--sizes", "tiny,small", "--peers", "cudagraph_ddp", "lightning_ddp"])
     assert a.sizes == ["tiny", "small"] and a.peers == ["cudagraph_ddp", "lightning_ddp"]
     assert (a.warmup, a.steps, a.repeats, a.vocab) == (10, 30, 5, 50304)
+
+
+def test_trace_gaps_reads_busy_idle_and_what_ended_each_gap(tmp_path):
+    """benchmarks.trace_gaps on a hand-made Chrome trace: merged busy time over two streams, the idle gap
+    attributed to the host operator whose launch ended it, a blocking synchronize listed with its operator, and
+    ``after_kernel`` dropping everything up to the end of a marker kernel."""
+    import json
+
+    from benchmarks.trace_gaps import analyse
+
+    ev = [
+        {"ph": "X", "cat": "cpu_op", "name": "outer", "ts": 0, "dur": 200, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 60, "dur": 20, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 62, "dur": 5, "tid": 1,
+         "args": {"correlation": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 100, "dur": 50, "tid": 1,
+         "args": {"correlation": 8}},
+        {"ph": "X", "cat": "kernel", "name": "spin_kernel", "ts": 0, "dur": 10, "tid": 9, "args": {"correlation": 5}},
+        {"ph": "X", "cat": "kernel", "name": "k0", "ts": 10, "dur": 20, "tid": 9, "args": {"correlation": 6}},
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 20, "dur": 20, "tid": 10, "args": {"correlation": 9}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 70, "dur": 30, "tid": 9, "args": {"correlation": 7}},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    text = analyse(str(path), steps=1, min_gap_us=5.0)
+    # busy: [0, 40] merged over both streams + [70, 100]; span 100; idle 30, ended by the mm launch
+    assert "span 0.10 ms over 1 steps" in text and "busy 0.070 ms/step; idle 0.030 ms/step" in text, text
+    assert "30.0   1.0     30.0  outer > aten::mm [cudaLaunchKernel] -> gemm" in text, text
+    assert "50.0   0.1" not in text and "cudaStreamSynchronize in outer" in text, text
+    later = analyse(str(path), steps=1, min_gap_us=5.0, after_kernel="spin")
+    # from the end of spin_kernel (10): busy [10, 40] + [70, 100] over a span of 90
+    assert "span 0.09 ms" in later and "busy 0.060 ms/step" in later, later

@@ -453,8 +453,12 @@ class LayerGraphRunner:
             if nested is not None and hasattr(p, "main_grad"):
                 mains.append(p.main_grad)
                 addends.append(nested)
-        if mains:
-            torch._foreach_add_(mains, addends)
+        if len(set(map(id, mains))) == len(mains):
+            if mains:
+                torch._foreach_add_(mains, addends)
+        else:  # the same main_grad twice: one multi-tensor kernel would race on it; add in order instead
+            for main, addend in zip(mains, addends):
+                main.add_(addend)
         return input_grads + param_slots
 
     def _foreign_in(self, occurrences) -> List[torch.nn.Parameter]:

@@ -31,6 +31,7 @@ from .buffer_reuse import check_shared_inputs
 from .segments import SegmentError, rng_moved, rng_state
 
 _VERSION = operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def hook_on_intermediate(runners: Sequence, follower) -> str:
@@ -86,7 +87,7 @@ def launch(segment, tensors: Sequence[torch.Tensor], device: torch.device):
     """
     runners = segment.node_runners
     for r in runners:
-        if not all(p.requires_grad for p in r.apply_edges):
+        if not all(map(_REQUIRES_GRAD, r.apply_edges)):
             names = {id(p): n for n, p in r.module.named_parameters()}
             frozen = [names.get(id(p), "?") for p in r.apply_edges if not p.requires_grad]
             raise SegmentError(
