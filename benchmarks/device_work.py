@@ -89,7 +89,7 @@ def _whole_step(s: RunSettings, warmup: int, steps: int, ahead_ms: float = 0.0):
 
 def _lightning(s: RunSettings, peer: str, warmup: int, steps: int, ahead_ms: float = 0.0):
     import benchmarks.peers._lightning as lit
-    from benchmarks.profile_step import OPTIONS_OF
+    from benchmarks.peers.cudagraph_ddp import strategy_for
 
     window = _Window(warmup, steps, ahead_ms)
     original = lit.Trainer
@@ -98,14 +98,7 @@ def _lightning(s: RunSettings, peer: str, warmup: int, steps: int, ahead_ms: flo
         if peer == "lightning_ddp":
             lit.fit_timed(s, "ddp")
         else:
-            import cg_lightning
-
-            graphs = {"warmup_steps": 2, **OPTIONS_OF[peer]}
-            if peer == "cudagraph_ddp_glue":
-                from benchmarks.peers.cudagraph_ddp import GLUE_LAYERS
-
-                graphs["layers"] = GLUE_LAYERS
-            lit.fit_timed(s, cg_lightning.CUDAGraphDDPStrategy(graphs=graphs))
+            lit.fit_timed(s, strategy_for(peer))
     finally:
         lit.Trainer = original
     return window.prof

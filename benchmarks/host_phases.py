@@ -194,7 +194,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: only to try the script
     import benchmarks.peers._lightning as lit
-    from benchmarks.profile_step import OPTIONS_OF
+    from benchmarks.peers.cudagraph_ddp import strategy_for
 
     s = RunSettings(device=device, size_name=a.size, size=SIZES[a.size], vocab_size=VOCAB_SIZE,
                     warmup=a.warmup + a.steps + 1, steps=1, repeats=1)
@@ -210,14 +210,7 @@ def main(argv=None) -> None:
     lit.Trainer = trainer_with_marks
     try:
         if a.peer.startswith("cudagraph_ddp"):
-            import cg_lightning
-
-            graphs = {"warmup_steps": 2, **OPTIONS_OF[a.peer]}
-            if a.peer == "cudagraph_ddp_glue":
-                from benchmarks.peers.cudagraph_ddp import GLUE_LAYERS
-
-                graphs["layers"] = GLUE_LAYERS
-            lit.fit_timed(s, cg_lightning.CUDAGraphDDPStrategy(graphs=graphs))
+            lit.fit_timed(s, strategy_for(a.peer))
         else:
             lit.fit_timed(s, a.peer)
     finally:

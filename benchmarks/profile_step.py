@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch import Callback
 
 from benchmarks.common import SIZES, VOCAB_SIZE, RunSettings, sync
+from benchmarks.peers.cudagraph_ddp import GRAPHS_OF, strategy_for
 
 
 class _Profiles(Callback):
@@ -61,18 +62,6 @@ class _Profiles(Callback):
             self.torch_prof.__exit__(None, None, None)
 
 
-
-# the graphs options of each cudagraph_ddp peer (as in benchmarks/peers/cudagraph_ddp.py; {} = the defaults)
-_OFF = {"segments": False, "direct_grad_ready": False, "cached_optimizer_step": False}
-OPTIONS_OF = {
-    "cudagraph_ddp": {},
-    "cudagraph_ddp_layers": _OFF,
-    "cudagraph_ddp_nocache": {"cached_optimizer_step": False},
-    "cudagraph_ddp_opt": {"capture_optimizer": True},
-    "cudagraph_ddp_glue": {},
-}
-
-
 def _device_busy_us(events) -> float:
     """Microseconds during which at least one kernel or copy ran on the device (intervals merged)."""
     spans = sorted(
@@ -96,7 +85,7 @@ def _device_busy_us(events) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    ap.add_argument("--peer", default="cudagraph_ddp", choices=[*OPTIONS_OF, "lightning_ddp"])
+    ap.add_argument("--peer", default="cudagraph_ddp", choices=[*GRAPHS_OF, "lightning_ddp"])
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=35)
@@ -120,14 +109,7 @@ def main(argv=None) -> None:
     lit.Trainer = trainer_with_profiles
     try:
         if a.peer.startswith("cudagraph_ddp"):
-            import cg_lightning
-
-            graphs = {"warmup_steps": 2, **OPTIONS_OF[a.peer]}
-            if a.peer == "cudagraph_ddp_glue":
-                from benchmarks.peers.cudagraph_ddp import GLUE_LAYERS
-
-                graphs["layers"] = GLUE_LAYERS
-            lit.fit_timed(s, cg_lightning.CUDAGraphDDPStrategy(graphs=graphs))
+            lit.fit_timed(s, strategy_for(a.peer))
         else:
             lit.fit_timed(s, "ddp")
     finally:

@@ -1,4 +1,4 @@
-"""Step time of the example GPT under ten training setups, side by side in one process.
+"""Step time of the example GPT under eleven training setups, side by side in one process.
 
 On a GPU, from the repository root::
 
@@ -17,7 +17,8 @@ Peers (same GPT, random-token data, bf16 autocast over fp32 weights, AdamW(fused
   fused AdamW step on cached tensor lists); ``cudagraph_ddp_layers``: one graph per block call, those three off;
   ``cudagraph_ddp_nocache``: the defaults with ``optimizer.step()`` as is; ``cudagraph_ddp_opt``: the defaults
   plus the optimizer step replayed from a graph (``graphs.capture_optimizer=True``, opt-in: not bit-exact);
-  ``cudagraph_ddp_glue``: the defaults plus the embeddings, final norm and head graphed (``graphs.layers``).
+  ``cudagraph_ddp_glue``: the defaults plus the embeddings, final norm and head graphed (``graphs.layers``);
+  ``cudagraph_ddp_head``: the defaults plus the final norm and head graphed (the blocks' segment continues there).
 
 Each peer runs ``--warmup`` steps, then ``--repeats`` windows of ``--steps`` steps; the device is synchronized at
 window boundaries only. Reported per size and peer: median ms/step, min/max over the windows, ratios to

@@ -19,7 +19,7 @@ from benchmarks.peers import PEER_NAMES, Peer
 from tests.helpers import _DIST_VARS, ROOT
 
 CPU_PEERS = ("lightning_ddp", "torch_ddp", "cudagraph_ddp", "cudagraph_ddp_layers", "cudagraph_ddp_nocache",
-             "cudagraph_ddp_opt", "cudagraph_ddp_glue")
+             "cudagraph_ddp_opt", "cudagraph_ddp_glue", "cudagraph_ddp_head")
 CUDA_PEERS = ("torch_ddp_graphed", "compile_reduce_overhead", "whole_step_graph")
 
 

@@ -42,6 +42,7 @@ def all_peers() -> Dict[str, Peer]:
         cudagraph_ddp.PEER_NOCACHE,
         cudagraph_ddp.PEER_OPT,
         cudagraph_ddp.PEER_GLUE,
+        cudagraph_ddp.PEER_HEAD,
     ]
     return {p.name: p for p in peers}
 
@@ -57,4 +58,5 @@ PEER_NAMES = (
     "cudagraph_ddp_nocache",
     "cudagraph_ddp_opt",
     "cudagraph_ddp_glue",
+    "cudagraph_ddp_head",
 )

@@ -2,8 +2,10 @@
 direct grad-ready, the fused AdamW step on cached tensor lists), ``cudagraph_ddp_layers`` (per-layer graphs
 only: ``segments``, ``direct_grad_ready`` and ``cached_optimizer_step`` off), ``cudagraph_ddp_nocache`` (the
 defaults without ``cached_optimizer_step``: what the cached step saves), ``cudagraph_ddp_opt`` (the defaults
-plus ``capture_optimizer``: the step replayed from a graph, opt-in because not bit-exact) and
-``cudagraph_ddp_glue`` (the defaults with the embeddings, final norm and head graphed too)."""
+plus ``capture_optimizer``: the step replayed from a graph, opt-in because not bit-exact),
+``cudagraph_ddp_glue`` (the defaults with the embeddings, final norm and head graphed too) and
+``cudagraph_ddp_head`` (the defaults with the final norm and head graphed too: the blocks' segment continues into
+the head, the embeddings stay eager)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,26 @@ from benchmarks.peers import Peer
 
 
 GLUE_LAYERS = ["model.tok_emb", "model.pos_emb", "model.blocks.*", "model.ln_f", "model.lm_head"]
+HEAD_LAYERS = ["model.blocks.*", "model.ln_f", "model.lm_head"]
+
+# the graphs options of each peer beyond the defaults (also what benchmarks.profile_step, host_phases and
+# device_work build the strategy from)
+_OFF = {"segments": False, "direct_grad_ready": False, "cached_optimizer_step": False}
+GRAPHS_OF = {
+    "cudagraph_ddp": {},
+    "cudagraph_ddp_layers": _OFF,
+    "cudagraph_ddp_nocache": {"cached_optimizer_step": False},
+    "cudagraph_ddp_opt": {"capture_optimizer": True},
+    "cudagraph_ddp_glue": {"layers": GLUE_LAYERS},
+    "cudagraph_ddp_head": {"layers": HEAD_LAYERS},
+}
+
+
+def strategy_for(peer: str, warmup_steps: int = 2):
+    """``CUDAGraphDDPStrategy`` with ``peer``'s graphs options (for the profiling tools)."""
+    import cg_lightning
+
+    return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup_steps, **GRAPHS_OF[peer]})
 
 
 def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, cached=None, layers=None) -> PeerResult:
@@ -103,3 +125,13 @@ def run_glue(s: RunSettings) -> PeerResult:
 PEER_GLUE = Peer("cudagraph_ddp_glue", run_glue, needs_cuda=False,
                  description="cudagraph_ddp with the glue graphed too: graphs.layers = the embeddings, "
                              "the blocks, the final norm and the head (the loss stays eager)")
+
+
+def run_head(s: RunSettings) -> PeerResult:
+    return run(s, layers=HEAD_LAYERS)
+
+
+PEER_HEAD = Peer("cudagraph_ddp_head", run_head, needs_cuda=False,
+                 description="cudagraph_ddp with the final norm and head graphed too: graphs.layers = the blocks, "
+                             "the final norm and the head, chained into one segment (the embeddings and the loss "
+                             "stay eager)")
