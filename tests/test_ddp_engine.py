@@ -219,3 +219,22 @@ def test_batched_grad_ready_reports_count_like_one_by_one():
         b.reset()
     batch()
     assert [next(i for i, q in enumerate(params2) if q is p) for p in seen] == order
+
+
+def test_expose_grads_casts_after_a_parameter_dtype_change():
+    """expose_grads' fast path (main_grad views assigned as they are) must not break when a parameter's dtype
+    changed after the engine was built (module.to(float64)): param.grad is then main_grad cast to it, as the
+    per-parameter path does."""
+    import torch
+
+    from cg_lightning.ddp import DataParallelEngine, DDPOptions
+
+    lin = torch.nn.Linear(3, 2)
+    engine = DataParallelEngine(lin, DDPOptions())
+    lin.weight.main_grad.fill_(0.5)
+    engine.expose_grads()
+    assert lin.weight.grad is lin.weight.main_grad
+    lin.to(torch.float64)
+    engine.expose_grads()
+    assert lin.weight.grad.dtype == torch.float64
+    assert torch.equal(lin.weight.grad, torch.full((2, 3), 0.5, dtype=torch.float64))

@@ -374,8 +374,11 @@ class DataParallelEngine(nn.Module):
         (the usual case), in C-level ``map`` calls rather than a Python loop over the parameters."""
         params, mains = self.params, self._main_grads
         if self._main_grads_same_dtype and all(map(operator.is_, map(_MAIN_GRAD, params), mains)):
-            deque(map(setattr, params, repeat("grad"), mains), maxlen=0)
-            return
+            try:
+                deque(map(setattr, params, repeat("grad"), mains), maxlen=0)
+                return
+            except RuntimeError:  # a parameter's dtype changed since setup (module.to(dtype)): cast below
+                pass
         for p in params:
             g = p.main_grad
             p.grad = g if g.dtype is p.dtype else g.to(p.dtype)
