@@ -48,6 +48,7 @@ def capture_in_order(
             if reuse_buffers and i > 0:
                 share_inputs_with_previous_outputs(real[i - 1], real[i])
             runners[i].capture_forward()
+        _sum_shared_params_through_autograd(real)
         for group in reversed(groups):
             members = [real[i] for i in group]
             if len(group) > 1 and all(any(r.output_requires_grad) for r in members):
@@ -60,6 +61,22 @@ def capture_in_order(
                 runners[i].capture_backward()
                 if reuse_buffers:
                     release_param_grad_outputs(real[i])
+
+
+def _sum_shared_params_through_autograd(runners: Sequence) -> None:
+    """Parameters that two or more graphed calls of the step reach on the outer autograd path (a block applied
+    twice, a weight shared by two graphed layers) get their shares summed by autograd, as in eager training,
+    instead of each backward graph adding its own share into ``main_grad``
+    (:meth:`~.runner.LayerGraphRunner.sum_through_autograd`)."""
+    count: dict = {}
+    for r in runners:
+        for p in r.main_grad_params:
+            if id(p) in r._eager_visible:
+                count[id(p)] = count.get(id(p), 0) + 1
+    shared = {pid for pid, n in count.items() if n > 1}
+    if shared:
+        for r in runners:
+            r.sum_through_autograd(shared)
 
 
 def _capture_segment_forward(wrapped: Sequence, members: Sequence) -> None:

@@ -319,6 +319,20 @@ class LayerGraphRunner:
         replay, so no list copy)."""
         return bool(self._main_grad_params)
 
+    def sum_through_autograd(self, param_ids: Set[int]) -> None:
+        """The parameters of ``param_ids`` (eagerly visible ones, reached by other graphed calls of the same
+        step too) are not added into ``main_grad`` by this layer's backward graph: their gradients are returned
+        through the replay node's edge instead, so autograd sums every call's share before the parameter's
+        ``AccumulateGrad`` hook adds the sum into ``main_grad`` once, ``main + (a + b)`` as in eager training,
+        where a graph adding its share itself would give ``(main + a) + b`` (other float32 rounding once
+        ``main_grad`` is not zero: gradient accumulation). Call after ``capture_forward``, before the backward
+        is captured; a parameter also finalized inside a recomputation region here is left as it is."""
+        nested = set().union(*self._bypassed_regions) if self._bypassed_regions else set()
+        drop = {pid for pid in param_ids if pid in self._eager_visible and pid not in nested}
+        if not drop:
+            return
+        self._main_grad_params = [p for p in self._main_grad_params if id(p) not in drop]
+
     @property
     def main_grad_params(self) -> List[torch.nn.Parameter]:
         """Parameters whose gradient the captured backward adds into ``main_grad`` itself."""

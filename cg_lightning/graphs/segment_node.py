@@ -98,7 +98,10 @@ def launch(segment, tensors: Sequence[torch.Tensor], device: torch.device):
     if segment.handed is not None:
         segment.handed.release()  # the previous pass's, if its backward never ran
     segment.handed = handed = HandedOutputs()  # the node's forward keeps it for its backward's checks
-    flat = SegmentFunction.apply(segment, *tensors, *[e for r in runners for e in r.apply_edges])
+    # the members' parameter edges in reverse member order: a parameter that several members return a gradient
+    # for (a block applied twice) gets the shares summed by autograd in the order eager backward delivers them,
+    # the last call's first
+    flat = SegmentFunction.apply(segment, *tensors, *[e for r in reversed(runners) for e in r.apply_edges])
     outputs, start = [], 0
     for r in runners:
         n = len(r.output_requires_grad)
@@ -161,8 +164,8 @@ def follow(runner, args: tuple, kwargs: dict, device: torch.device):
 
 
 class SegmentFunction(torch.autograd.Function):
-    """``apply(segment, *first_member_inputs, *edges of every member)`` -> every member's flat outputs, in
-    member order. ``segment``: the forward :class:`~.segments.SegmentState` with ``node_runners`` set."""
+    """``apply(segment, *first_member_inputs, *edges of every member, last member first)`` -> every member's
+    flat outputs, in member order. ``segment``: the forward :class:`~.segments.SegmentState` with ``node_runners`` set."""
 
     @staticmethod
     def forward(ctx, segment, *tensors):
@@ -221,5 +224,5 @@ class SegmentFunction(torch.autograd.Function):
             grads = per_member[k] if k == len(runners) - 1 else r.static_grad_outputs
             results[k] = r.replay_backward(grads)
         first = results[0][: runners[0].num_inputs]
-        edges = [g for r, res in zip(runners, results) for g in res[r.num_inputs:]]
+        edges = [g for r, res in zip(reversed(runners), reversed(results)) for g in res[r.num_inputs:]]
         return (None, *first, *edges)
