@@ -86,6 +86,28 @@ def test_cuda_block_applied_twice_with_recomputation():
     assert all(c["model.blocks.0.fc_in.weight"] == 2 and c["model.blocks.1.fc_in.weight"] == 1 for c in cg.ready_counts)
 
 
+@pytest.mark.parametrize("segments", [True, False])
+def test_cuda_blocks_applied_several_times_with_accumulation(segments):
+    """Blocks applied several times per step without recomputation (block_schedule 0,1,0,1,0: block 0 three
+    times) and accumulate_grad_batches=2, real graphs, fp32: autograd sums every call's share before main_grad
+    (in eager backward's order), so losses and weights equal Lightning "ddp" bit for bit (the CPU twin is
+    tests/test_strategy.py::test_block_applied_several_times_with_accumulation_is_bit_exact)."""
+    model = dict(MODEL, block_schedule=[0, 1, 0, 1, 0])
+    ref_model, ref, _ = train_in_process("ddp", steps=8, accelerator="gpu", model_kwargs=model, data_kwargs=DATA,
+                                         accumulate=2)
+    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "cuda", "segments": segments})
+    cg_model, cg, _ = train_in_process(strategy, steps=8, accelerator="gpu", model_kwargs=model, data_kwargs=DATA,
+                                       accumulate=2)
+    assert strategy.last_graph_stats.forward_replays > 0
+    loss_diff = max_rel_diff(cg.losses, ref.losses)
+    weight_diff = state_rel_diff(cg_model.state_dict(), ref_model.state_dict())
+    print(f"blocks applied several times + accumulation (segments={segments}): max rel loss diff {loss_diff:.2e}, "
+          f"max rel weight diff {weight_diff:.2e}")
+    assert cg.losses == ref.losses
+    for (name, a), (_, b) in zip(cg_model.state_dict().items(), ref_model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def _two_gpu_pair(tmp_path, common, *cg_args):
     """Lightning "ddp" and cudagraph_ddp (plus ``cg_args``) on 2 GPUs with the same train_parity.py arguments;
     returns the cudagraph_ddp run's saved dict and its max relative loss and final-weight differences."""
