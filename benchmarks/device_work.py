@@ -92,15 +92,7 @@ def _lightning(s: RunSettings, peer: str, warmup: int, steps: int, ahead_ms: flo
     from benchmarks.peers.cudagraph_ddp import strategy_for
 
     window = _Window(warmup, steps, ahead_ms)
-    original = lit.Trainer
-    lit.Trainer = lambda *a, **k: original(*a, **{**k, "callbacks": list(k.get("callbacks", [])) + [window]})
-    try:
-        if peer == "lightning_ddp":
-            lit.fit_timed(s, "ddp")
-        else:
-            lit.fit_timed(s, strategy_for(peer))
-    finally:
-        lit.Trainer = original
+    lit.fit_timed(s, strategy_for(peer), callbacks=[window])
     return window.prof
 
 

@@ -32,6 +32,7 @@ import torch
 from lightning.pytorch import Callback
 
 from benchmarks.common import SIZES, VOCAB_SIZE, RunSettings, sync
+from benchmarks.peers.cudagraph_ddp import GRAPHS_OF, strategy_for
 
 
 class _Marks(Callback):
@@ -184,7 +185,7 @@ def _restore(patched) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.host_phases", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    ap.add_argument("--peer", default="cudagraph_ddp")
+    ap.add_argument("--peer", default="cudagraph_ddp", choices=[*GRAPHS_OF, "lightning_ddp"])
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--events", nargs="*", default=["launch", "SegmentFunction.backward", "CUDAGraph.replay"],
@@ -194,27 +195,15 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: only to try the script
     import benchmarks.peers._lightning as lit
-    from benchmarks.peers.cudagraph_ddp import strategy_for
 
     s = RunSettings(device=device, size_name=a.size, size=SIZES[a.size], vocab_size=VOCAB_SIZE,
                     warmup=a.warmup + a.steps + 1, steps=1, repeats=1)
     marks = _Marks(a.warmup, a.steps)
     marks.event_calls = set(a.events)
     originals = [_patch(spec, marks) for spec in a.time]
-    original = lit.Trainer
-
-    def trainer_with_marks(*args, **kwargs):
-        kwargs["callbacks"] = list(kwargs.get("callbacks", [])) + [marks]
-        return original(*args, **kwargs)
-
-    lit.Trainer = trainer_with_marks
     try:
-        if a.peer.startswith("cudagraph_ddp"):
-            lit.fit_timed(s, strategy_for(a.peer))
-        else:
-            lit.fit_timed(s, a.peer)
+        lit.fit_timed(s, strategy_for(a.peer), callbacks=[marks])
     finally:
-        lit.Trainer = original
         _restore(originals)
     wall_us = 1e6 * (marks.wall[1] - marks.wall[0]) / a.steps
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"

@@ -100,20 +100,7 @@ def main(argv=None) -> None:
     s = RunSettings(device=torch.device("cuda"), size_name=a.size, size=SIZES[a.size], vocab_size=VOCAB_SIZE,
                     warmup=a.warmup + 2 * a.steps, steps=1, repeats=1)
     prof = _Profiles(a.warmup, a.steps)
-    original = lit.Trainer
-
-    def trainer_with_profiles(*args, **kwargs):
-        kwargs["callbacks"] = list(kwargs.get("callbacks", [])) + [prof]
-        return original(*args, **kwargs)
-
-    lit.Trainer = trainer_with_profiles
-    try:
-        if a.peer.startswith("cudagraph_ddp"):
-            lit.fit_timed(s, strategy_for(a.peer))
-        else:
-            lit.fit_timed(s, "ddp")
-    finally:
-        lit.Trainer = original
+    lit.fit_timed(s, strategy_for(a.peer), callbacks=[prof])
     host_ms = 1000 * (prof.marks["host_end"] - prof.marks["host_start"]) / a.steps
     wall_ms = 1000 * (prof.marks["dev_end"] - prof.marks["dev_start"]) / a.steps
     events = prof.torch_prof.key_averages()

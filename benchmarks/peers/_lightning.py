@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
@@ -79,9 +79,10 @@ class StepClock(Callback):
         return LoopTiming(ms, self.marks[0] - self.start, [], self.last_loss)
 
 
-def fit_timed(s: RunSettings, strategy: Any) -> "tuple[LoopTiming, Trainer]":
+def fit_timed(s: RunSettings, strategy: Any, callbacks: Sequence[Callback] = ()) -> "tuple[LoopTiming, Trainer]":
     """``Trainer(strategy=..., devices=1, precision="bf16-mixed").fit`` for ``s.total_steps`` steps on the
-    benchmark's batches; returns the clock's timing and the trainer (for the strategy's stats)."""
+    benchmark's batches; returns the clock's timing and the trainer (for the strategy's stats). ``callbacks``
+    join the step clock (the profiling tools' marks)."""
     # A fresh port for Lightning's process group; the previous peer's group has been destroyed.
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
@@ -107,7 +108,7 @@ def fit_timed(s: RunSettings, strategy: Any) -> "tuple[LoopTiming, Trainer]":
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[clock],
+        callbacks=[clock, *callbacks],
         # One process: keep the loader's sequential order, the order the plain loops use (Lightning's
         # DistributedSampler would shuffle it).
         use_distributed_sampler=False,

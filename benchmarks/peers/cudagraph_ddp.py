@@ -32,7 +32,10 @@ GRAPHS_OF = {
 
 
 def strategy_for(peer: str, warmup_steps: int = 2):
-    """``CUDAGraphDDPStrategy`` with ``peer``'s graphs options (for the profiling tools)."""
+    """The Lightning strategy of a Lightning peer, by name, for the profiling tools: ``"ddp"`` for
+    ``lightning_ddp``, else ``CUDAGraphDDPStrategy`` with ``peer``'s graphs options."""
+    if peer == "lightning_ddp":
+        return "ddp"
     import cg_lightning
 
     return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup_steps, **GRAPHS_OF[peer]})
