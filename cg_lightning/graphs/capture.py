@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import List, Optional, Sequence
 
@@ -68,11 +69,7 @@ def _sum_shared_params_through_autograd(runners: Sequence) -> None:
     twice, a weight shared by two graphed layers) get their shares summed by autograd, as in eager training,
     instead of each backward graph adding its own share into ``main_grad``
     (:meth:`~.runner.LayerGraphRunner.sum_through_autograd`)."""
-    count: dict = {}
-    for r in runners:
-        for p in r.main_grad_params:
-            if id(p) in r._eager_visible:
-                count[id(p)] = count.get(id(p), 0) + 1
+    count = collections.Counter(id(p) for r in runners for p in r.visible_main_grad_params())
     shared = {pid for pid, n in count.items() if n > 1}
     if shared:
         for r in runners:

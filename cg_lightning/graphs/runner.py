@@ -305,7 +305,6 @@ class LayerGraphRunner:
             for p in self.edge_params
         ]
         self.apply_edges = list(self.edge_params)  # the parameters the replay node takes as inputs
-        self._edge_keep: Optional[List[bool]] = None  # per edge_params slot: still an input of the node
         # (edge slot, clone it) for every slot still an input of the node: what replay_backward returns
         self._returned_edges = list(enumerate(self.clone_slots))
         self.direct_params: List[torch.nn.Parameter] = []
@@ -327,11 +326,16 @@ class LayerGraphRunner:
         where a graph adding its share itself would give ``(main + a) + b`` (other float32 rounding once
         ``main_grad`` is not zero: gradient accumulation). Call after ``capture_forward``, before the backward
         is captured; a parameter also finalized inside a recomputation region here is left as it is."""
-        nested = set().union(*self._bypassed_regions) if self._bypassed_regions else set()
+        nested = set().union(*self._bypassed_regions)
         drop = {pid for pid in param_ids if pid in self._eager_visible and pid not in nested}
         if not drop:
             return
         self._main_grad_params = [p for p in self._main_grad_params if id(p) not in drop]
+
+    def visible_main_grad_params(self) -> List[torch.nn.Parameter]:
+        """Parameters the captured backward adds into ``main_grad`` and that eager autograd reaches from this
+        call's outputs (the outer path, not only a recomputation region)."""
+        return [p for p in self._main_grad_params if id(p) in self._eager_visible]
 
     @property
     def main_grad_params(self) -> List[torch.nn.Parameter]:
@@ -355,9 +359,8 @@ class LayerGraphRunner:
         notifiers = [grad_ready_reporter(p) for p in direct]
         if any(n is None for n in notifiers):
             raise ValueError(f"graphed {self.name!r}: a parameter without a grad-ready reporter (no DDP engine)")
-        self._edge_keep = [id(p) not in chosen for p in self.edge_params]
-        self._returned_edges = [(k, clone) for k, (clone, keep) in enumerate(zip(self.clone_slots, self._edge_keep))
-                                if keep]
+        self._returned_edges = [(k, clone) for k, (p, clone) in enumerate(zip(self.edge_params, self.clone_slots))
+                                if id(p) not in chosen]
         self.apply_edges = [p for p in self.edge_params if id(p) not in chosen]
         self.direct_params = direct
         self._direct_notifiers = notifiers
