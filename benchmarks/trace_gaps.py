@@ -104,8 +104,8 @@ def analyse(path: str, steps: int, min_gap_us: float, after_kernel: str = "") ->
     lines.append("\n## device time by operation (us per step, count per step)\n")
     by_name: Dict[str, List[float]] = collections.defaultdict(list)
     for e in device:
-        by_name[e["name"][:90]].append(e["dur"])
-    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]:
+        by_name[e["name"][:200]].append(e["dur"])
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:40]:
         lines.append(f"{sum(durs) / steps:8.1f} {len(durs) / steps:5.1f}  {name}")
     lines.append(f"\n## idle gaps >= {min_gap_us:g} us, by what ended them (us per step, count per step, max us)\n")
     for key, gaps in sorted(causes.items(), key=lambda kv: -sum(kv[1])):

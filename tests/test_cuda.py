@@ -92,7 +92,7 @@ def test_cuda_blocks_applied_several_times_with_accumulation(segments):
     times) and accumulate_grad_batches=2, real graphs, fp32: autograd sums every call's share before main_grad
     (in eager backward's order), so losses and weights equal Lightning "ddp" bit for bit (the CPU twin is
     tests/test_strategy.py::test_block_applied_several_times_with_accumulation_is_bit_exact)."""
-    model = dict(MODEL, block_schedule=[0, 1, 0, 1, 0])
+    model = dict(MODEL, n_layer=2, block_schedule=[0, 1, 0, 1, 0])  # every block used: "ddp" rejects unused ones
     ref_model, ref, _ = train_in_process("ddp", steps=8, accelerator="gpu", model_kwargs=model, data_kwargs=DATA,
                                          accumulate=2)
     strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "cuda", "segments": segments})

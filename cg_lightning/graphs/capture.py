@@ -15,6 +15,7 @@ from .buffer_reuse import (
     share_grad_outputs_with_next_grad_inputs,
     share_inputs_with_previous_outputs,
 )
+from .main_grad_adds import MainGradAdds
 from .segments import members_capturing, segment_capture
 
 
@@ -37,6 +38,8 @@ def capture_in_order(
     """
     real = [getattr(r, "runner", r) for r in runners]  # set_capture wraps runners to know which one failed
     groups = segments if segments is not None else [[i] for i in range(len(runners))]
+    for r in real:  # each backward body adds its own (a segment's capture below shares one MainGradAdds)
+        r.main_grad_adds = MainGradAdds(flush_bytes=0)
     with preserved_training_state(model, layers, restore_grads), uncached_autocast():
         for runner in runners:
             with runner.backend.warmup_stream():
@@ -94,11 +97,15 @@ def _capture_segment_forward(wrapped: Sequence, members: Sequence) -> None:
 def _capture_segment_backward(wrapped: Sequence, members: Sequence) -> None:
     """The members' backward bodies, last member first, in one capture region; each member's gradient
     output buffer is the next member's gradient-input buffer."""
+    adds = MainGradAdds()  # the members' main_grad additions, launched together (main_grad_adds)
     with segment_capture(members[0].backend, members[0].pool) as seg, members_capturing(members, seg):
+        for r in members:
+            r.main_grad_adds = adds
         for j in reversed(range(len(members))):
             if j + 1 < len(members):
                 share_grad_outputs_with_next_grad_inputs(members[j], members[j + 1])
             wrapped[j].capture_backward()
+        seg.add(adds.flush)  # the last body of the segment's backward: what is still pending
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ from .autocast import autocast_as, autocast_off, autocast_state
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
 from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reachable_leaves
+from .main_grad_adds import MainGradAdds
 from .signature import CallSignature
 
 _TRAINING = operator.attrgetter("training")
@@ -151,6 +152,9 @@ class LayerGraphRunner:
         self.static_grad_outputs: List[Optional[torch.Tensor]] = []
         #: set while this runner is captured as a segment member (see :mod:`.segments`)
         self.defer_static_grad_outputs = False
+        #: where the backward body's main_grad additions go: one per body (flush_bytes 0), or the segment's
+        #: shared :class:`~.main_grad_adds.MainGradAdds` that launches several members' additions together
+        self.main_grad_adds = MainGradAdds(flush_bytes=0)
         self.replays = 0
         self._recording: Optional[list] = None
         self._anchors: List[torch.Tensor] = []
@@ -448,9 +452,9 @@ class LayerGraphRunner:
         param_slots: List[Optional[torch.Tensor]] = []
         into_main_grad = set(map(id, self._main_grad_params))
         edges = set(map(id, self.edge_params))
-        # (main_grad, gradient) pairs, added by one foreach call: the same elementwise additions as one
-        # main_grad.add_ per parameter (bit-identical), in a few multi-tensor kernels instead of one kernel
-        # per parameter (benchmarks/NOTES.md, session 7: 149 add kernels, about 0.3 ms of device time per step)
+        # (main_grad, gradient) pairs, added by multi-tensor kernels (main_grad_adds): the same elementwise
+        # additions as one main_grad.add_ per parameter, in order (bit-identical), in a few kernels instead of
+        # one per parameter (benchmarks/NOTES.md, session 7: 149 add kernels, about 0.3 ms per step)
         mains: List[torch.Tensor] = []
         addends: List[torch.Tensor] = []
         for p, wgrad, old in zip(params, wgrads, stashed):
@@ -470,12 +474,7 @@ class LayerGraphRunner:
             if nested is not None and hasattr(p, "main_grad"):
                 mains.append(p.main_grad)
                 addends.append(nested)
-        if len(set(map(id, mains))) == len(mains):
-            if mains:
-                torch._foreach_add_(mains, addends)
-        else:  # the same main_grad twice: one multi-tensor kernel would race on it; add in order instead
-            for main, addend in zip(mains, addends):
-                main.add_(addend)
+        self.main_grad_adds.add(mains, addends)
         return input_grads + param_slots
 
     def _foreign_in(self, occurrences) -> List[torch.nn.Parameter]:

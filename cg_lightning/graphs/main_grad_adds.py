@@ -1,0 +1,61 @@
+"""Adding a backward graph's parameter gradients into ``main_grad``, batched into few multi-tensor kernels.
+
+A backward body ends with ``main_grad += gradient`` for each of its parameters (fp32, the parameter's shape).
+One ``torch._foreach_add_`` per layer does that in one launch, but at small sizes one layer's gradients are
+too few elements to fill the GPU: on an H200 at the benchmark's tiny size (d=256, 12 parameters and about
+0.8 M elements per block) each such kernel took about 16 us where the bytes moved need about 2 us
+(``benchmarks/NOTES.md``, session 8). Inside a segment (one backward graph for several layers, nothing
+observes ``main_grad`` between its members) the additions can wait: :class:`MainGradAdds` keeps them and
+launches them together, when the pending gradients reach ``flush_bytes`` or at the end of the segment's
+backward body.
+
+Exactness: each ``main_grad`` still gets the same additions in the same order (a ``main_grad`` that is
+already pending is flushed first, so no multi-tensor kernel holds it twice and the later share is added
+after the earlier one), so the results are bit-identical to one ``add_`` per parameter right away. What
+it costs: the pending gradients stay allocated until the flush (at most ``flush_bytes`` plus one layer's).
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Set
+
+import torch
+
+#: default bound on the bytes of gradients kept pending (the tiny benchmark's 12 blocks need 36 MB)
+FLUSH_BYTES = 64 * 2**20
+
+
+class MainGradAdds:
+    """Pending ``main_grad += gradient`` additions, launched by :meth:`flush` as one ``torch._foreach_add_``.
+
+    Args:
+        flush_bytes: flush as soon as the pending gradients hold at least this many bytes; 0 flushes at every
+            :meth:`add` (one kernel per call, the per-layer behaviour).
+    """
+
+    def __init__(self, flush_bytes: int = FLUSH_BYTES) -> None:
+        self.flush_bytes = flush_bytes
+        self._mains: List[torch.Tensor] = []
+        self._addends: List[torch.Tensor] = []
+        self._pending: Set[int] = set()
+        self._bytes = 0
+
+    def add(self, mains: Sequence[torch.Tensor], addends: Sequence[torch.Tensor]) -> None:
+        """Queue ``mains[i] += addends[i]`` (same shapes; ``mains`` fp32 ``main_grad`` buffers), in order."""
+        for main, addend in zip(mains, addends):
+            if id(main) in self._pending:  # a second share of the same main_grad: the first goes in first
+                self.flush()
+            self._mains.append(main)
+            self._addends.append(addend)
+            self._pending.add(id(main))
+            self._bytes += addend.numel() * addend.element_size()
+        if self._bytes >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> List[torch.Tensor]:
+        """Launch the pending additions (none pending: nothing launched). Returns ``[]``, so that it can be a
+        segment member's body with no outputs."""
+        if self._mains:
+            torch._foreach_add_(self._mains, self._addends)
+        self._mains, self._addends, self._pending, self._bytes = [], [], set(), 0
+        return []
