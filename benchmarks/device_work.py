@@ -3,7 +3,7 @@ device activity only, over ``--steps`` steady-state steps, summarised by :mod:`b
 
 On a GPU, from the repository root::
 
-    python -m benchmarks.device_work --size tiny --peers whole_step_graph cudagraph_ddp
+    python -m benchmarks.device_work --size tiny --peers whole_step_graph cudagraph_ddp compile_reduce_overhead
 
 Comparing a peer with ``whole_step_graph`` (the same kernels in one graph) separates extra device work
 (copies, ``main_grad`` additions, memsets: more operations or more busy time) from idle time (gaps).
@@ -60,9 +60,14 @@ class _Window(Callback):
             self.prof.__exit__(None, None, None)
 
 
-def _whole_step(s: RunSettings, warmup: int, steps: int, ahead_ms: float = 0.0):
-    import benchmarks.peers.whole_step_graph as peer
+#: peers timed by a plain loop (``benchmarks.common.time_loop``): profiled by swapping their module's loop
+_PLAIN_LOOP = ("whole_step_graph", "compile_reduce_overhead", "torch_ddp", "torch_ddp_graphed")
 
+
+def _plain_loop(s: RunSettings, peer_name: str, warmup: int, steps: int, ahead_ms: float = 0.0):
+    import importlib
+
+    peer = importlib.import_module(f"benchmarks.peers.{peer_name}")
     box = {}
 
     def time_loop(step, batches, _s):
@@ -112,7 +117,7 @@ def main(argv=None) -> None:
         s = RunSettings(device=torch.device("cuda"), size_name=a.size, size=SIZES[a.size], vocab_size=VOCAB_SIZE,
                         warmup=a.warmup + a.steps + 1, steps=1, repeats=1)
         ahead = a.host_ahead_ms
-        prof = (_whole_step(s, a.warmup, a.steps, ahead) if peer == "whole_step_graph"
+        prof = (_plain_loop(s, peer, a.warmup, a.steps, ahead) if peer in _PLAIN_LOOP
                 else _lightning(s, peer, a.warmup, a.steps, ahead))
         trace = os.path.join(a.out, f"device_{peer}_{a.size}.json")
         prof.export_chrome_trace(trace)
