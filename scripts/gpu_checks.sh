@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # What the GPU machine must show after graph/DDP/strategy changes.
-# Usage (repository root, GPU machine): bash scripts/gpu_checks.sh OUTDIR [tests|bench|main|all] [small_steps]
+# Usage (repository root, GPU machine): bash scripts/gpu_checks.sh OUTDIR [tests|bench|main|accelerate|all] [main_steps]
 #   tests: the cuda-marked tests;  bench: benchmarks/step_time.py, every peer at the tiny, small and compute sizes;
-#   main: the main job on configs/gpt_small.yaml;  accelerate: examples/train_accelerate.py on 1 GPU, real graphs
+#   main: the main job on configs/gpt_small.yaml (main_steps steps, default 200);  accelerate: examples/train_accelerate.py on 1 GPU, real graphs
 #   against the eager Accelerate run (fp32 and bf16, 2 micro-batches per step);  all: tests, bench, main.
 # Wheels for packages the GPU image lacks (omegaconf) may lie in .whl/ and are installed to /tmp/site.
 set -uo pipefail
 out=${1:-/tmp/gpu_checks}; what=${2:-all}; small_steps=${3:-200}
+case "$what" in tests|bench|main|accelerate|all) ;; *)
+  echo "gpu_checks.sh: unknown section '$what'; use one of tests, bench, main, accelerate, all" >&2; exit 2;; esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -136,11 +136,14 @@ def _run_script_in_process(tmp_path, name: str, *args: str) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_single_process_accumulation_parity(tmp_path, fresh_accelerate_state):
+def test_single_process_accumulation_parity(tmp_path, fresh_accelerate_state, capsys):
     """One process: Accelerate's own no_sync does nothing there, the engine's must still keep the first
-    micro-batches from finishing the sync (else the gradients would be added twice)."""
+    micro-batches from finishing the sync (else the gradients would be added twice). The capture line says how
+    many segments the blocks were chained into, as the Lightning strategy's does."""
     args = ["--max-steps", "5", "--gradient-accumulation-steps", "2", "trainer.gradient_clip_val=0.05"]
     cg = _run_script_in_process(tmp_path, "cg", *args)
+    assert "chained into 1 segment(s)" in capsys.readouterr().out
+    assert cg["stats"]["segments"] == 1
     eager = _run_script_in_process(tmp_path, "eager", *args, "--eager")
     assert cg["run"]["distributed_type"] == "NO" and len(cg["losses"][0]) == 1
     assert max_rel_diff(cg["losses"], eager["losses"]) < 1e-5

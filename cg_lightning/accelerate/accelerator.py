@@ -216,6 +216,7 @@ class CUDAGraphAccelerator(Accelerator):
             f"cg_lightning: captured {stats.captured_runners} layer calls "
             f"({', '.join(layer.name for layer in manager.layers)}) with the {stats.backend} backend "
             f"in {stats.capture_seconds:.2f} s" + (f" ({sets} graph sets)" if sets > 1 else "")
+            + (f", chained into {stats.segments} segment(s)" if getattr(stats, "segments", 0) else "")
         )
 
     def free_memory(self, *objects):

@@ -468,13 +468,17 @@ class LayerGraphRunner:
                 total = None
             if id(p) in edges:
                 param_slots.append(total)
+        self.main_grad_adds.add(mains, addends)
+        # shares for other modules' parameters go in now: an earlier layer may write their main_grad itself
         foreign = self._foreign_params if self._recording is None else self._foreign_in(self._recording)
+        foreign_mains: List[torch.Tensor] = []
+        foreign_addends: List[torch.Tensor] = []
         for p in foreign:
             nested, p.grad = p.grad, None
             if nested is not None and hasattr(p, "main_grad"):
-                mains.append(p.main_grad)
-                addends.append(nested)
-        self.main_grad_adds.add(mains, addends)
+                foreign_mains.append(p.main_grad)
+                foreign_addends.append(nested)
+        self.main_grad_adds.add(foreign_mains, foreign_addends, defer=False)
         return input_grads + param_slots
 
     def _foreign_in(self, occurrences) -> List[torch.nn.Parameter]:
