@@ -238,3 +238,39 @@ def test_expose_grads_casts_after_a_parameter_dtype_change():
     engine.expose_grads()
     assert lin.weight.grad.dtype == torch.float64
     assert torch.equal(lin.weight.grad, torch.full((2, 3), 0.5, dtype=torch.float64))
+
+
+def test_a_cast_after_setup_is_named_in_the_missing_gradient_error():
+    """Casting the model after the engine was built (``module.double()`` in a training hook) replaces the
+    parameters' gradient accumulators, so the engine's grad-ready hooks never fire: the missing-gradient error
+    names the cast, the parameters' old and new dtypes, and says to cast before ``Trainer.fit``."""
+    import torch
+
+    from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
+
+    lin = torch.nn.Linear(4, 4)
+    engine = DataParallelEngine(lin, DDPOptions())
+    lin(torch.randn(2, 4)).sum().backward()
+    engine.finish_grad_sync()
+    engine.zero_grad_buffer()
+    lin.double()
+    lin(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(GradSyncError, match=r"(?s)weight \(ready 0 times, expected 1\).*2 parameter\(s\) changed "
+                       r"dtype or device after the engine was set up \(weight \(torch.float32 on cpu -> "
+                       r"torch.float64 on cpu\).*Cast or move the model before Trainer.fit"):
+        engine.finish_grad_sync()
+
+
+def test_a_missing_gradient_without_a_cast_does_not_mention_one():
+    import torch
+
+    from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
+
+    lin = torch.nn.Linear(4, 4)
+    engine = DataParallelEngine(lin, DDPOptions())
+    lin(torch.randn(2, 4)).sum().backward()
+    engine.finish_grad_sync()
+    engine.zero_grad_buffer()
+    with pytest.raises(GradSyncError) as info:
+        engine.finish_grad_sync()
+    assert "ready 0 times, expected 1" in str(info.value) and "changed dtype" not in str(info.value)

@@ -424,6 +424,32 @@ def test_requires_grad_changed_after_capture_is_a_named_error():
         engine.finish_grad_sync()
 
 
+def test_freezing_a_parameter_used_only_in_recomputation_after_capture_is_a_named_error():
+    """A parameter used only inside a layer's activation recomputation has no autograd edge: its grad-ready
+    notifications are replayed and its gradient goes into main_grad inside the graph, so freezing it after
+    capture would go unnoticed on CUDA (the optimizer would keep moving it) and fail inside autograd, naming
+    nothing, on the eager backend. The next replay refuses, naming the layer and the parameter."""
+    from cg_lightning import GraphCaptureError
+
+    torch.manual_seed(0)
+    model = em.Stack(em.SeedLayer, 16, 2, recompute=True)
+    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    engine = DataParallelEngine(model, DDPOptions())
+    for step in range(3):
+        manager.begin_step(step)
+        engine(torch.randn(4, 16)).backward()
+        engine.finish_grad_sync()
+        engine.zero_grad_buffer()
+    assert manager.stats.forward_replays > 0
+    model.layers[1].checkpointed.weight.requires_grad_(False)
+    manager.begin_step(3)
+    with pytest.raises(GraphCaptureError, match=r"layer 'layers\.1': parameter\(s\) 'checkpointed\.weight' \(used only "
+                       r"inside its activation recomputation\) were frozen \(requires_grad=False\) after the layer's "
+                       r"graphs were captured.*Freeze parameters before training starts"):
+        engine(torch.randn(4, 16))
+    manager.remove()
+
+
 class _PassThrough(torch.nn.Module):
     """Returns (f(x, ctx), ctx): the second output is an input, unchanged (a context threaded through)."""
 

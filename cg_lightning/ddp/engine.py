@@ -125,6 +125,9 @@ class DataParallelEngine(nn.Module):
             if grad_accumulator_stream is not None:
                 self._grad_streams.append(grad_accumulator_stream)
             self._comm_stream = torch.cuda.Stream(device=device)
+        # dtype and device of each parameter at setup: a later cast resets its AccumulateGrad node (and with
+        # it the engine's hook), which a missing-gradient error then names (_cast_since_setup)
+        self._setup_types = [(p.dtype, p.device) for p in self.params]
         # expose_grads' fast path: the main_grad views as made here (checked by identity at every use)
         self._main_grads = [p.main_grad for p in self.params]
         self._main_grads_same_dtype = all(g.dtype is p.dtype for p, g in zip(self.params, self._main_grads))
@@ -307,13 +310,27 @@ class DataParallelEngine(nn.Module):
             out.append(f"{self.names.get(p, '?')} (ready {b.slot_counts[slot]} times, expected {golden})")
         return out
 
+    def _cast_since_setup(self) -> str:
+        """A sentence naming parameters whose dtype or device changed after setup ('' if none)."""
+        changed = [(p, was) for p, was in zip(self.params, self._setup_types) if (p.dtype, p.device) != was]
+        if not changed:
+            return ""
+        what = ", ".join(f"{self.names.get(p, '?')} ({was[0]} on {was[1]} -> {p.dtype} on {p.device})"
+                         for p, was in changed[:3])
+        return (
+            f"{len(changed)} parameter(s) changed dtype or device after the engine was set up ({what}"
+            f"{', ...' if len(changed) > 3 else ''}): that replaces their gradient accumulators and drops the "
+            "engine's grad-ready hooks. Cast or move the model before Trainer.fit (or use the Trainer's "
+            "precision setting), not in a hook during training. "
+        )
+
     def _agree(self, missing) -> None:
         local = self._describe(missing)
         if self._control_group is None:
             if local:
                 raise GradSyncError(
                     f"rank {self.rank}: gradients of these parameters did not report ready as expected in "
-                    f"iteration {self.iteration}: {', '.join(local)}. {_CAUSES}"
+                    f"iteration {self.iteration}: {', '.join(local)}. {self._cast_since_setup()}{_CAUSES}"
                 )
             return
         flag = torch.tensor([len(local)], dtype=torch.int64)
@@ -332,7 +349,7 @@ class DataParallelEngine(nn.Module):
         lines = [f"rank {r}: {', '.join(rep)}" for r, rep in enumerate(reports) if rep]
         raise GradSyncError(
             f"gradients did not report ready as expected in iteration {self.iteration} "
-            f"(seen on rank {self.rank}):\n  " + "\n  ".join(lines) + f"\n{_CAUSES}"
+            f"(seen on rank {self.rank}):\n  " + "\n  ".join(lines) + f"\n{self._cast_since_setup()}{_CAUSES}"
         )
 
     def _check_golden_across_ranks(self) -> None:

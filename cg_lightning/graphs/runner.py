@@ -165,6 +165,7 @@ class LayerGraphRunner:
         self._main_grad_params: List[torch.nn.Parameter] = []
         self.recorded_occurrences: List[torch.nn.Parameter] = []
         self._frozen_at_capture: List[torch.nn.Parameter] = []
+        self._unseen_if_frozen: List[torch.nn.Parameter] = []
         self.forward_generation = 0
 
     # ----------------------------------------------------------------- matching
@@ -296,6 +297,8 @@ class LayerGraphRunner:
         self._frozen_at_capture = [p for p in self.owned if not p.requires_grad]
         self.params_to_backprop = params_to_backprop(self.owned, self._visible, self._warmup_reachable)
         self.hidden_params = [p for p in self.params_to_backprop if id(p) not in self._visible]
+        #: parameters whose freezing after capture only the replay can notice (hidden ones; direct ones later)
+        self._unseen_if_frozen = [p for p in self.hidden_params if p.requires_grad]
         self._anchors = [self._anchor] if id(self._anchor) in self._visible else []
         self._main_grad_params = [
             p for p in self.params_to_backprop if self.accumulate_into_main_grad and hasattr(p, "main_grad")
@@ -367,6 +370,8 @@ class LayerGraphRunner:
                                 if id(p) not in chosen]
         self.apply_edges = [p for p in self.edge_params if id(p) not in chosen]
         self.direct_params = direct
+        self._unseen_if_frozen = [p for p in self.hidden_params if p.requires_grad]
+        self._unseen_if_frozen += [p for p in direct if all(p is not q for q in self._unseen_if_frozen)]
         self._direct_notifiers = notifiers
         self._report_all = batched_reporter(self.replay_plan + notifiers)
 
@@ -395,17 +400,24 @@ class LayerGraphRunner:
                 "layer, pass them as arguments, or leave the layer out of graphs.layers."
             )
 
-    def _refuse_frozen_direct(self) -> None:
-        """A parameter the replay reports itself (graphs.direct_grad_ready) frozen after the switch: nothing
-        else would notice (no autograd edge is left to go silent) while the graph keeps adding into its
-        ``main_grad``, so the optimizer would still move it."""
-        frozen = [p for p in self.direct_params if not p.requires_grad]
-        names = [next((n for n, q in self.module.named_parameters() if q is p), "?") for p in frozen]
+    def _refuse_frozen_unseen(self) -> None:
+        """A parameter frozen after capture whose freezing nothing else would notice: one the replay reports
+        itself (graphs.direct_grad_ready: no autograd edge is left to go silent), or one used only inside a
+        recomputation region (no edge; its recorded grad-ready notifications are replayed). The graph keeps
+        computing its gradient and adding it into ``main_grad``, so the optimizer would still move it; the
+        eager backend would fail inside autograd instead ("One of the differentiated Tensors does not require
+        grad"), naming nothing."""
+        direct = [p for p in self.direct_params if not p.requires_grad]
+        hidden = [p for p in self.hidden_params if not p.requires_grad and all(p is not q for q in direct)]
+        named = {id(q): n for n, q in self.module.named_parameters()}
+        parts = [f"{named.get(id(p), '?')!r} (reported ready by the layer's replay itself, graphs.direct_grad_ready)"
+                 for p in direct]
+        parts += [f"{named.get(id(p), '?')!r} (used only inside its activation recomputation)" for p in hidden]
         raise GraphCaptureError(
-            f"layer {self.name!r}: parameter(s) {', '.join(map(repr, names))} were frozen (requires_grad=False) "
-            "after graphs.direct_grad_ready let the layer's replay report them; its graph would keep adding "
-            "their gradients into main_grad. Freeze parameters before training starts, or set "
-            "graphs.direct_grad_ready=false."
+            f"layer {self.name!r}: parameter(s) {', '.join(parts)} were frozen (requires_grad=False) after the "
+            "layer's graphs were captured; its graph would keep adding their gradients into main_grad. Freeze "
+            "parameters before training starts (or before the capture step, graphs.warmup_steps)"
+            + (", or set graphs.direct_grad_ready=false." if direct else ".")
         )
 
     def _check_still_frozen(self) -> None:
@@ -549,8 +561,8 @@ class LayerGraphRunner:
             segment.consume(self)
         if self._frozen_at_capture:
             self._check_still_frozen()
-        if self.direct_params and not all(map(_REQUIRES_GRAD, self.direct_params)):
-            self._refuse_frozen_direct()
+        if self._unseen_if_frozen and not all(map(_REQUIRES_GRAD, self._unseen_if_frozen)):
+            self._refuse_frozen_unseen()
         self.forward_generation += 1
         copy_into_static(self.static_inputs, inputs)
         self._fwd.replay()
