@@ -398,22 +398,30 @@ def test_weight_of_a_graphed_layer_also_used_outside_graphs():
     assert counts == ref_counts == [1] * 4
 
 
+def _seed_stack_trained(steps: int, recompute: bool, frozen: str = ""):
+    """Two graphed :class:`SeedLayer` blocks (eager backend, capture after 1 warmup step) under the DDP engine,
+    trained ``steps`` steps; ``frozen``: a submodule of block 1 frozen before training."""
+    torch.manual_seed(0)
+    model = em.Stack(em.SeedLayer, 16, 2, recompute=recompute)
+    if frozen:
+        getattr(model.layers[1], frozen).weight.requires_grad_(False)
+    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    engine = DataParallelEngine(model, DDPOptions())
+    for step in range(steps):
+        manager.begin_step(step)
+        engine(torch.randn(4, 16)).backward()
+        engine.finish_grad_sync()
+        engine.zero_grad_buffer()
+    return model, manager, engine
+
+
 def test_requires_grad_changed_after_capture_is_a_named_error():
     """Unfreezing (or freezing) a graphed layer's parameter after capture would silently keep the old
     gradient set: the replay refuses, naming the layer and parameter; the engine refuses a parameter frozen
     at setup that now requires grad."""
     from cg_lightning import GraphCaptureError
 
-    torch.manual_seed(0)
-    model = em.Stack(em.SeedLayer, 16, 2, recompute=False)
-    model.layers[1].projection.weight.requires_grad_(False)
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
-    engine = DataParallelEngine(model, DDPOptions())
-    for step in range(2):
-        manager.begin_step(step)
-        engine(torch.randn(4, 16)).backward()
-        engine.finish_grad_sync()
-        engine.zero_grad_buffer()
+    model, manager, engine = _seed_stack_trained(2, recompute=False, frozen="projection")
     model.layers[1].projection.weight.requires_grad_(True)
     manager.begin_step(2)
     with pytest.raises(GraphCaptureError, match=r"layer 'layers\.1': parameter 'projection\.weight' changed requires_grad from False to True"):
@@ -431,15 +439,7 @@ def test_freezing_a_parameter_used_only_in_recomputation_after_capture_is_a_name
     nothing, on the eager backend. The next replay refuses, naming the layer and the parameter."""
     from cg_lightning import GraphCaptureError
 
-    torch.manual_seed(0)
-    model = em.Stack(em.SeedLayer, 16, 2, recompute=True)
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
-    engine = DataParallelEngine(model, DDPOptions())
-    for step in range(3):
-        manager.begin_step(step)
-        engine(torch.randn(4, 16)).backward()
-        engine.finish_grad_sync()
-        engine.zero_grad_buffer()
+    model, manager, engine = _seed_stack_trained(3, recompute=True)
     assert manager.stats.forward_replays > 0
     model.layers[1].checkpointed.weight.requires_grad_(False)
     manager.begin_step(3)

@@ -52,18 +52,9 @@ class MainGradAdds:
     def add(self, mains: Sequence[torch.Tensor], addends: Sequence[torch.Tensor], defer: bool = True) -> None:
         """Queue ``mains[i] += addends[i]`` (same shapes; ``mains`` fp32 ``main_grad`` buffers), in order.
 
-        ``defer=False``: launch these additions now, after whatever is pending for the same ``main_grad``.
+        ``defer=False``: launch these additions now, together with whatever is pending (nothing is launched
+        when ``mains`` is empty).
         """
-        if not defer:
-            if any(id(main) in self._pending for main in mains):
-                self.flush()
-            if len(set(map(id, mains))) == len(mains):
-                if mains:
-                    torch._foreach_add_(list(mains), list(addends))
-            else:  # the same main_grad twice: one multi-tensor kernel would race on it; add in order instead
-                for main, addend in zip(mains, addends):
-                    main.add_(addend)
-            return
         for main, addend in zip(mains, addends):
             if id(main) in self._pending:  # a second share of the same main_grad: the first goes in first
                 self.flush()
@@ -71,7 +62,7 @@ class MainGradAdds:
             self._addends.append(addend)
             self._pending.add(id(main))
             self._bytes += addend.numel() * addend.element_size()
-        if self._bytes >= self.flush_bytes:
+        if self._bytes >= self.flush_bytes or (mains and not defer):
             self.flush()
 
     def flush(self) -> List[torch.Tensor]:

@@ -53,12 +53,11 @@ from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
 from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reachable_leaves
 from .main_grad_adds import MainGradAdds
 from .signature import CallSignature
-
-_TRAINING = operator.attrgetter("training")
 from .state import batched_reporter, graph_capture, graph_warmup, grad_ready_reporter, recording_grad_ready
 from torch.utils import _pytree as pytree
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getter for the per-replay frozen check
+_TRAINING = operator.attrgetter("training")
 
 
 class GraphCaptureError(RuntimeError):
@@ -298,7 +297,7 @@ class LayerGraphRunner:
         self.params_to_backprop = params_to_backprop(self.owned, self._visible, self._warmup_reachable)
         self.hidden_params = [p for p in self.params_to_backprop if id(p) not in self._visible]
         #: parameters whose freezing after capture only the replay can notice (hidden ones; direct ones later)
-        self._unseen_if_frozen = [p for p in self.hidden_params if p.requires_grad]
+        self._unseen_if_frozen = list(self.hidden_params)
         self._anchors = [self._anchor] if id(self._anchor) in self._visible else []
         self._main_grad_params = [
             p for p in self.params_to_backprop if self.accumulate_into_main_grad and hasattr(p, "main_grad")
@@ -370,8 +369,7 @@ class LayerGraphRunner:
                                 if id(p) not in chosen]
         self.apply_edges = [p for p in self.edge_params if id(p) not in chosen]
         self.direct_params = direct
-        self._unseen_if_frozen = [p for p in self.hidden_params if p.requires_grad]
-        self._unseen_if_frozen += [p for p in direct if all(p is not q for q in self._unseen_if_frozen)]
+        self._unseen_if_frozen = self.hidden_params + direct  # disjoint: direct ones are eagerly visible
         self._direct_notifiers = notifiers
         self._report_all = batched_reporter(self.replay_plan + notifiers)
 
@@ -408,7 +406,7 @@ class LayerGraphRunner:
         eager backend would fail inside autograd instead ("One of the differentiated Tensors does not require
         grad"), naming nothing."""
         direct = [p for p in self.direct_params if not p.requires_grad]
-        hidden = [p for p in self.hidden_params if not p.requires_grad and all(p is not q for q in direct)]
+        hidden = [p for p in self.hidden_params if not p.requires_grad]
         named = {id(q): n for n, q in self.module.named_parameters()}
         parts = [f"{named.get(id(p), '?')!r} (reported ready by the layer's replay itself, graphs.direct_grad_ready)"
                  for p in direct]
