@@ -48,7 +48,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from cg_lightning.accelerate import CUDAGraphAccelerator
-from cg_lightning.config import build_datamodule, build_model, load_config
+from cg_lightning.config import ConfigError, build_datamodule, build_model, load_config
 
 _PRECISIONS = {"32-true": "no", "32": "no", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
@@ -97,9 +97,19 @@ def _optimizer_and_scheduler(module):
     raise SystemExit(f"configure_optimizers returned {type(out).__name__}; expected an optimizer or a dict")
 
 
+def _config_error(error: ConfigError) -> SystemExit:
+    """One ``error:`` line per problem on stderr and exit status 2, as ``python -m cg_lightning`` reports them."""
+    for line in str(error).splitlines() or [""]:
+        print(f"error: {line}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = load_config(args.config or [os.path.join(ROOT, "configs", "gpt_tiny.yaml")], args.overrides)
+    try:
+        cfg = load_config(args.config or [os.path.join(ROOT, "configs", "gpt_tiny.yaml")], args.overrides)
+    except ConfigError as error:
+        raise _config_error(error) from None
     max_steps = args.max_steps if args.max_steps is not None else cfg.trainer.max_steps
     if max_steps <= 0:
         raise SystemExit("set --max-steps or trainer.max_steps to a positive number of optimizer steps")
@@ -119,8 +129,11 @@ def main(argv=None) -> None:
         accelerator = CUDAGraphAccelerator(graphs=cfg.strategy.graphs, ddp=cfg.strategy.ddp, **common)
 
     set_seed(cfg.seed)
-    module = build_model(cfg)
-    data = build_datamodule(cfg)
+    try:
+        module = build_model(cfg)
+        data = build_datamodule(cfg)
+    except ConfigError as error:
+        raise _config_error(error) from None
     data.setup("fit")
     loader = data.train_dataloader()
     optimizer, scheduler = _optimizer_and_scheduler(module)

@@ -334,3 +334,20 @@ def test_torch_compile_refused_at_prepare(fresh_accelerate_state):
     accelerator = CUDAGraphAccelerator(cpu=True, dynamo_backend="inductor")
     with pytest.raises(ValueError, match="dynamo"):
         accelerator.prepare(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["trainer.max_step=5"], "error: command line: trainer.max_step: unknown key (did you mean 'max_steps'?)"),
+    (["model.init_args.n_layr=2"], "unknown argument 'n_layr' (did you mean 'n_layer'?)"),  # found at build_model
+])
+def test_config_errors_are_error_lines_and_exit_2(overrides, expected, capsys):
+    """A bad key stops the Accelerate example as it stops `python -m cg_lightning`: one `error:` line per
+    problem on stderr and exit status 2, no traceback (config errors raise before any Accelerate state)."""
+    from examples.train_accelerate import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", os.path.join(ROOT, "configs", "gpt_tiny.yaml"), "--cpu", *overrides])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert all(line.startswith("error: ") for line in err.strip().splitlines())

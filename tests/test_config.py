@@ -187,6 +187,17 @@ def test_unknown_top_level_and_nested_keys(tmp_path):
     assert "strategy.graphs.backnd: unknown key (did you mean 'backend'?)" in msg  # every problem reported
 
 
+def test_key_of_a_deeper_section_is_pointed_there(tmp_path):
+    """A section or option given without its parent (``graphs.warmup_steps=3`` for
+    ``strategy.graphs.warmup_steps``) is named with its full path; a plain typo still gets the close match."""
+    msg = error_of([], ["graphs.warmup_steps=3", "bucket_size_mb=4", "strategy.warmup_steps=1"])
+    assert "command line: graphs: unknown key (did you mean 'strategy.graphs'?)" in msg
+    assert "command line: bucket_size_mb: unknown key (did you mean 'strategy.ddp.bucket_size_mb'?)" in msg
+    assert "command line: strategy.warmup_steps: unknown key (did you mean 'strategy.graphs.warmup_steps'?)" in msg
+    bad = write(tmp_path, "bad.yaml", "ddp:\n  bucket_size_mb: 4\n")
+    assert f"{bad}: ddp: unknown key (did you mean 'strategy.ddp'?)" in error_of([bad])
+
+
 def test_unknown_key_inside_list_item(tmp_path):
     bad = write(tmp_path, "bad.yaml", "callbacks:\n  - class_path: a.B\n    init_arg: {}\n")
     msg = error_of([bad])

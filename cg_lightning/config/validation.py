@@ -85,10 +85,31 @@ def _is_interpolation(value: Any) -> bool:
     return isinstance(value, str) and "${" in value
 
 
-def unknown_key_text(key: Any, parent_path: str, valid: List[str]) -> str:
-    """``unknown key (did you mean 'max_steps'?); valid keys under 'trainer': ...``."""
+def _nested_paths(key: str, schema: Any, depth: int = 2) -> List[str]:
+    """Paths (relative to ``schema``) of the sections below it that have a field named ``key``:
+    ``['strategy.graphs']`` for ``graphs`` at the top level."""
+    found: List[str] = []
+    if depth == 0 or not dataclasses.is_dataclass(schema):
+        return found
+    for name, tp in _hints(schema).items():
+        inner, _ = _strip_optional(tp)
+        if dataclasses.is_dataclass(inner):
+            if key in _hints(inner):
+                found.append(f"{name}.{key}")
+            found.extend(f"{name}.{p}" for p in _nested_paths(key, inner, depth - 1))
+    return found
+
+
+def unknown_key_text(key: Any, parent_path: str, valid: List[str], schema: Any = None) -> str:
+    """``unknown key (did you mean 'max_steps'?); valid keys under 'trainer': ...``; a key that exists one
+    or two sections further down (``graphs`` at the top level) is pointed there (``'strategy.graphs'``)."""
     close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    nested = [] if close or schema is None else _nested_paths(str(key), schema)
+    if nested:
+        close = [" or ".join(f"'{join_key(parent_path, p)}'" for p in nested[:3])]
+    elif close:
+        close = [f"'{close[0]}'"]
+    hint = f" (did you mean {close[0]}?)" if close else ""
     where = f"under '{parent_path}'" if parent_path else "at the top level"
     return f"unknown key{hint}; valid keys {where}: {', '.join(valid)}"
 
@@ -122,7 +143,7 @@ class SourceChecker:
         for key, value in data.items():
             kpath = join_key(path, key)
             if key not in fields:
-                self.problem(kpath, unknown_key_text(key, path, list(fields)))
+                self.problem(kpath, unknown_key_text(key, path, list(fields), schema))
                 continue
             self._record(value, kpath)
             self.check_value(value, fields[key], schema, key, kpath)
