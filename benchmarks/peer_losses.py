@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -54,6 +54,22 @@ def _run(mode: str, s: RunSettings, steps: int, bf16: bool) -> Dict[str, object]
     return {"losses": losses, "grads": first_grads, "names": names}
 
 
+def compare(ref: Dict[str, object], run: Dict[str, object], bf16: bool) -> Tuple[List[float], List[str]]:
+    """Per-step ``|loss - reference loss|``, and one line per parameter whose first-step gradient is missing,
+    unexpected, or off by more than 5e-2 (bf16) or 1e-3 (fp32) relative (norm of the difference over the
+    reference's norm)."""
+    diffs = [abs(a - b) for a, b in zip(run["losses"], ref["losses"])]
+    bad = []
+    for name, g, r in zip(ref["names"], run["grads"], ref["grads"]):
+        if (g is None) != (r is None):
+            bad.append(f"{name}: {'missing' if g is None else 'unexpected'} gradient")
+        elif g is not None:
+            rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
+            if rel > (5e-2 if bf16 else 1e-3):
+                bad.append(f"{name}: relative gradient difference {rel:.2e}")
+    return diffs, bad
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
@@ -79,16 +95,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             cells = [f"{runs[m]['losses'][i]:.4f}" for m in args.modes]
             print(f"| {i} | " + " | ".join(cells) + " |")
         for m in args.modes[1:]:
-            diffs = [abs(a - b) for a, b in zip(runs[m]["losses"], ref["losses"])]
+            diffs, bad = compare(ref, runs[m], bf16)
             print(f"{m}: max |loss - {args.modes[0]}| {max(diffs):.2e}, at the last step {diffs[-1]:.2e}")
-            bad = []
-            for name, g, r in zip(ref["names"], runs[m]["grads"], ref["grads"]):
-                if (g is None) != (r is None):
-                    bad.append(f"{name}: {'missing' if g is None else 'unexpected'} gradient")
-                elif g is not None:
-                    rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
-                    if rel > (5e-2 if bf16 else 1e-3):
-                        bad.append(f"{name}: relative gradient difference {rel:.2e}")
             print(f"{m}: first-step gradients, {len(bad)} parameter(s) off: " + ("; ".join(bad[:8]) or "none"))
     if args.json:
         with open(args.json, "w") as f:

@@ -138,3 +138,41 @@ def test_trace_gaps_reads_busy_idle_and_what_ended_each_gap(tmp_path):
     later = analyse(str(path), steps=1, min_gap_us=5.0, after_kernel="spin")
     # from the end of spin_kernel (10): busy [10, 40] + [70, 100] over a span of 90
     assert "span 0.09 ms" in later and "busy 0.060 ms/step" in later, later
+
+
+def test_peer_losses_compares_losses_and_names_a_lost_gradient():
+    """benchmarks.peer_losses on the CPU (eager loop only: a compiled run needs a C++ toolchain): two eager runs
+    agree exactly; a run with one gradient dropped or changed is reported by parameter name."""
+    import torch
+
+    from benchmarks.common import SIZES, RunSettings
+    from benchmarks.peer_losses import _run, compare
+
+    s = RunSettings(device=torch.device("cpu"), size_name="tiny", size=dict(SIZES["tiny"], n_layer=2))
+    ref = _run("eager", s, steps=2, bf16=False)
+    again = _run("eager", s, steps=2, bf16=False)
+    diffs, bad = compare(ref, again, bf16=False)
+    assert diffs == [0.0, 0.0] and bad == [] and len(ref["losses"]) == 2
+    broken = dict(again, grads=list(again["grads"]))
+    broken["grads"][1] = None
+    broken["grads"][2] = broken["grads"][2] * 1.01
+    _, bad = compare(ref, broken, bf16=False)
+    assert bad == [f"{ref['names'][1]}: missing gradient",
+                   f"{ref['names'][2]}: relative gradient difference 1.00e-02"]
+
+
+@pytest.mark.timeout(180)
+def test_accumulator_stream_experiment_runs_the_patched_engine(tmp_path):
+    """benchmarks.accumulator_stream swaps the strategy's engine and runs step_time (smoke, CPU): the peer gets
+    an ok row and the glue parameters (5 at this size: embeddings, final norm, head) are the ones rebound."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.accumulator_stream", "--binding", "glue-current", "--", "--smoke",
+         "--peers", "cudagraph_ddp", "--no-png", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "accumulator_stream: 5 parameter(s) outside the blocks on the current stream" in proc.stdout
+    assert "accumulator_stream: binding glue-current: stream-mismatch warning not seen" in proc.stdout
+    row = json.loads((tmp_path / "step_time_smoke_cpu.json").read_text())["results"][0]
+    assert row["peer"] == "cudagraph_ddp" and row["status"].startswith("ok")
