@@ -302,6 +302,28 @@ class GPTLightningModule(LightningModule):
         """``(B, T)`` int64 -> ``(B, T, V)`` logits."""
         return self.model(idx)
 
+    def setup(self, stage: str) -> None:
+        """Refuse a data module whose windows are longer than the model's context, before the first batch.
+
+        Raises:
+            cg_lightning.config.ConfigError (a ``ValueError``): the trainer's data module has a ``block_size``
+                above the model's; ``python -m cg_lightning`` reports it as an ``error:`` line, exit status 2.
+        """
+        self.check_data(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
+
+    def check_data(self, datamodule) -> None:
+        """The check of :meth:`setup`, for loops without a Trainer (``examples/train_accelerate.py``)."""
+        data_block = getattr(datamodule, "block_size", None)
+        if isinstance(data_block, int) and data_block > self.model.block_size:
+            from cg_lightning.config import ConfigError
+
+            raise ConfigError(
+                f"data.init_args.block_size: {data_block} is longer than the model's context, "
+                f"model.init_args.block_size: {self.model.block_size}; the model cannot take windows that long. "
+                "Set the data's block_size to at most the model's (the shipped configs set it to "
+                "${model.init_args.block_size}), or raise the model's."
+            )
+
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
         hidden = self.model.hidden(x)

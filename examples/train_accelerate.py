@@ -132,6 +132,8 @@ def main(argv=None) -> None:
     try:
         module = build_model(cfg)
         data = build_datamodule(cfg)
+        if hasattr(module, "check_data"):
+            module.check_data(data)
     except ConfigError as error:
         raise _config_error(error) from None
     data.setup("fit")

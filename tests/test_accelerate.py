@@ -339,6 +339,7 @@ def test_torch_compile_refused_at_prepare(fresh_accelerate_state):
 @pytest.mark.parametrize("overrides, expected", [
     (["trainer.max_step=5"], "error: command line: trainer.max_step: unknown key (did you mean 'max_steps'?)"),
     (["model.init_args.n_layr=2"], "unknown argument 'n_layr' (did you mean 'n_layer'?)"),  # found at build_model
+    (["data.init_args.block_size=256"], "error: data.init_args.block_size: 256 is longer than the model's context"),
 ])
 def test_config_errors_are_error_lines_and_exit_2(overrides, expected, capsys):
     """A bad key stops the Accelerate example as it stops `python -m cg_lightning`: one `error:` line per

@@ -53,3 +53,20 @@ def test_cli_refuses_graph_layers_that_match_nothing():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "strategy.graphs.layers" in proc.stderr and "matched no module" in proc.stderr
     assert "model.blocks.0" in proc.stderr
+
+
+def test_cli_refuses_data_windows_longer_than_the_model_context(tmp_path):
+    """data.init_args.block_size above the model's: one error line naming both keys, exit 2, before any
+    training step (it failed inside the first forward with a traceback before)."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "cg_lightning", "fit", "--config", "configs/gpt_tiny.yaml",
+         "data.init_args.block_size=256", "data.init_args.max_bytes=600000", f"trainer.default_root_dir={tmp_path}",
+         "trainer.enable_progress_bar=false"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("error: data.init_args.block_size: 256 is longer than the model's context, "
+            "model.init_args.block_size: 128") in proc.stderr
+    assert "Traceback" not in proc.stderr and not glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)
