@@ -177,18 +177,40 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         else:
             yield None
 
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any):
+        """Lightning's backward, with the engine's part between autograd and ``on_after_backward``, where torch
+        DDP has its all-reduce done: the hooks see ``param.grad`` as under ``strategy="ddp"`` (the all-reduced
+        sum on the micro-batch that steps, the local sum so far on the others)."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        self._finish_engine_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        """The engine's hooks are always armed; the graph manager sees the loss (``graphs.direct_grad_ready``)."""
+        """Gradients still exposed from the last micro-batch go back into ``main_grad`` (with what the hooks
+        did to them, ``DataParallelEngine.take_back_grads``); the graph manager sees the loss
+        (``graphs.direct_grad_ready``)."""
+        if self.engine is not None:
+            self.engine.take_back_grads()
         if self.graph_manager is not None:
             self.graph_manager.before_backward(closure_loss)
 
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
+    def _finish_engine_backward(self) -> None:
+        """Wait for the all-reduce (unless Lightning accumulates under ``no_sync``) and point ``param.grad`` at
+        ``main_grad``; on accumulation micro-batches only when that is the tensor itself (``ddp.grad_dtype``
+        unset or equal to the parameters' dtype), as a cast copy could not be carried back exactly."""
         engine = self.engine
-        if engine is None or not engine.sync_enabled:
+        if engine is None:
             return
-        engine.finish_grad_sync()
-        engine.expose_grads()
-        self._grads_unconsumed = True
+        if engine.sync_enabled:
+            engine.finish_grad_sync()
+            engine.expose_grads()
+            self._grads_unconsumed = True
+        elif engine.grads_alias_main_grad:
+            engine.expose_grads()
 
     def optimizer_step(
         self,

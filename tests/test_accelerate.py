@@ -352,3 +352,140 @@ def test_config_errors_are_error_lines_and_exit_2(overrides, expected, capsys):
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
     assert all(line.startswith("error: ") for line in err.strip().splitlines())
+
+
+# --------------------------------------------------------------- loops plain Accelerate runs (accelerate_cases)
+
+_CASE_DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")]
+
+
+def _cases():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accelerate_cases", os.path.join(ROOT, "tests", "scripts",
+                                                                                   "accelerate_cases.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assert_same_training(cg, eager, tol):
+    print(f"max rel loss diff {max_rel_diff(cg['losses'], eager['losses']):.1e}, "
+          f"seen {max_rel_diff(cg['seen'], eager['seen']) if cg['seen'] else 0:.1e}, "
+          f"weights {state_rel_diff(cg['state'], eager['state']):.1e}")
+    assert max_rel_diff(cg["losses"], eager["losses"]) <= tol
+    assert len(cg["seen"]) == len(eager["seen"])
+    if cg["seen"]:
+        assert max_rel_diff(cg["seen"], eager["seen"]) <= tol
+    assert state_rel_diff(cg["state"], eager["state"]) <= tol
+
+
+@pytest.mark.parametrize("device", _CASE_DEVICES)
+def test_two_optimizers_stepped_and_zeroed_in_turn(device, fresh_accelerate_state):
+    """o1.step(); o1.zero_grad(); o2.step(): o1's zero_grad must leave o2's gradients alone (it zeroed the
+    whole main_grad buffer, so o2 stepped on nothing and the blocks never trained). Same losses and weights as
+    plain Accelerate, bit for bit on CPU (1e-6 on the GPU)."""
+    cases = _cases()
+    cg, eager = cases.run("cg", "two_optimizers", device), cases.run("eager", "two_optimizers", device)
+    assert cg["replays"] == N_LAYER * (6 - WARMUP)
+    _assert_same_training(cg, eager, 0.0 if device == "cpu" else 1e-6)
+
+
+@pytest.mark.parametrize("device", _CASE_DEVICES)
+def test_gradients_between_accumulation_micro_batches(device, fresh_accelerate_state):
+    """Accumulation 2: after every accelerator.backward the loop reads p.grad's norm, clips and halves it. Plain
+    PyTorch holds the sum so far in p.grad then; the engine had p.grad None on the first micro-batch (the norm
+    missing, clipping and scaling silently skipped). Same norms, losses and weights as plain Accelerate."""
+    cases = _cases()
+    cg, eager = cases.run("cg", "microbatch_grads", device), cases.run("eager", "microbatch_grads", device)
+    assert all(n == n for n in cg["seen"]), cg["seen"]  # no micro-batch without gradients (nan)
+    _assert_same_training(cg, eager, 0.0 if device == "cpu" else 1e-6)
+
+
+@pytest.mark.parametrize("device", _CASE_DEVICES)
+def test_non_contiguous_block_inputs_are_bit_exact(device, fresh_accelerate_state):
+    """The blocks take and return (B, T, D) tensors with the strides of a (B, D, T) one (a BatchNorm on the
+    transposed activations in front). Eager backward hands their outputs contiguous gradients; the backward
+    graphs read theirs from buffers that had the outputs' layout, so replays summed in another order (1.2e-7
+    relative off in the weights). The buffers now take the layout eager backward handed over in the recorded
+    step: bit-identical on CPU, 1e-6 on the GPU."""
+    cases = _cases()
+    cg, eager = cases.run("cg", "bn", device), cases.run("eager", "bn", device)
+    assert cg["replays"] == N_LAYER * (6 - WARMUP)
+    _assert_same_training(cg, eager, 0.0 if device == "cpu" else 1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_process_buffers_broadcast(tmp_path):
+    """2 processes, each its own data shard, BatchNorm running statistics, an eval loss after every step: with
+    ddp.broadcast_buffers (default on) rank 0's buffers reach rank 1 before every training forward, as under
+    torch DDP (the Accelerate engine's forward skipped that broadcast: rank 1's running_var was 0.29 off and the
+    ranks reported different eval losses). Every rank equals plain Accelerate's same rank."""
+    script = os.path.join(ROOT, "tests", "scripts", "accelerate_cases.py")
+    out = {}
+    for kind in ("cg", "eager"):
+        run_all([torchrun(script, kind, "bn", str(tmp_path / kind))], str(tmp_path), timeout=240)
+        out[kind] = [torch.load(str(tmp_path / f"{kind}.rank{r}")) for r in (0, 1)]
+    for rank in (0, 1):
+        _assert_same_training(out["cg"][rank], out["eager"][rank], 0.0)
+    assert out["cg"][0]["seen"] == out["cg"][1]["seen"]
+
+
+def _phase(cases, acc, raw, steps=4, seed=0):
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(cases._data(4 * steps, seed=seed), batch_size=4)
+    model, optimizer, loader = acc.prepare(raw, optimizer, loader)
+    losses = []
+    for x, y in loader:
+        loss = cases._loss(model(x), y)
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return model, optimizer, losses
+
+
+@pytest.mark.parametrize("then", ["nothing", "free_memory", "end_training"])
+def test_plain_backward_after_training_fills_param_grad(then, fresh_accelerate_state):
+    """After training, a plain loss.backward() through accelerator.unwrap_model(model) (saliency, a plain
+    fine-tuning loop) fills every p.grad as without the engine; the engine's hooks took those gradients into
+    main_grad and left p.grad None (a plain optimizer step then changed nothing). Equal to plain Accelerate's."""
+    cases = _cases()
+    grads = {}
+    for kind in ("cg", "eager"):
+        acc = cases._accelerator(kind, "cpu")
+        torch.manual_seed(0)
+        model, optimizer, _ = _phase(cases, acc, cases.Net())
+        user = acc.unwrap_model(model)
+        if then == "free_memory":
+            acc.free_memory(model, optimizer)
+        elif then == "end_training":
+            acc.end_training()
+        x, y = cases._data(4, seed=9).tensors
+        cases._loss(user(x), y).backward()
+        grads[kind] = {n: p.grad for n, p in user.named_parameters()}
+    assert all(g is not None for g in grads["cg"].values()), [n for n, g in grads["cg"].items() if g is None]
+    assert all(torch.equal(grads["cg"][n], grads["eager"][n]) for n in grads["eager"])
+
+
+def test_free_memory_then_prepare_the_same_model_again(fresh_accelerate_state):
+    """free_memory() and a second prepare of the same model (a second phase, Accelerate's
+    find_executable_batch_size pattern): the second prepare wraps it again and trains it. Before, Accelerate's
+    "prepared" mark made prepare hand the bare model back while the old engine's hooks swallowed its
+    gradients: the second phase trained nothing. Losses and weights equal plain Accelerate's, bit for bit."""
+    cases = _cases()
+    out = {}
+    for kind in ("cg", "eager"):
+        acc = cases._accelerator(kind, "cpu")
+        torch.manual_seed(0)
+        raw = cases.Net()
+        model, optimizer, first = _phase(cases, acc, raw)
+        acc.free_memory(model, optimizer)
+        model, optimizer, second = _phase(cases, acc, raw, seed=1)
+        if kind == "cg":
+            assert type(model).__name__ == "GraphedDataParallel"
+            assert model.graph_stats.forward_replays == N_LAYER * (4 - WARMUP)
+        out[kind] = (first + second, {k: v.clone() for k, v in raw.state_dict().items()})
+    assert out["cg"][0] == out["eager"][0]
+    assert all(torch.equal(out["cg"][1][k], out["eager"][1][k]) for k in out["eager"][1])

@@ -186,7 +186,13 @@ class CUDAGraphAccelerator(Accelerator):
         for engine in active:
             if engine.graph_manager is not None:
                 engine.graph_manager.before_backward(loss)
-        super().backward(loss, **kwargs)
+        for engine in self._graph_engines:
+            engine.hooks_armed = True
+        try:
+            super().backward(loss, **kwargs)
+        finally:
+            for engine in self._graph_engines:
+                engine.hooks_armed = False
         for engine in self._graph_engines:
             if engine not in active and any(any(b.slot_counts) for b in engine.buckets):
                 raise RuntimeError(
@@ -198,7 +204,7 @@ class CUDAGraphAccelerator(Accelerator):
                     "once per backward, in training steps."
                 )
         for engine in active:
-            engine.finish_backward(expose=self.sync_gradients)
+            engine.finish_backward(completes_step=self.sync_gradients)
             self._report_capture(engine)
 
     def _report_capture(self, engine: GraphedDataParallel) -> None:
@@ -220,12 +226,24 @@ class CUDAGraphAccelerator(Accelerator):
         )
 
     def free_memory(self, *objects):
-        """Accelerate's ``free_memory``; also forgets the engines (and with them their process groups)."""
-        self._graph_engines = []
-        self._captures_seen = {}
+        """Accelerate's ``free_memory``; also releases the engines (``GraphedDataParallel.release``): their
+        models train as if never prepared again (hooks and graphs removed; ``prepare`` wraps them anew)."""
+        self._release_engines()
         objects = super().free_memory(*objects)
         gc.collect()  # an engine and its grad hooks form a reference cycle; Accelerate collects too early
         return objects
+
+    def end_training(self) -> None:
+        """Accelerate's ``end_training``; first releases the engines, as :meth:`free_memory` does, so a backward
+        through the model after training (``accelerator.unwrap_model(model)``) fills ``param.grad`` again."""
+        self._release_engines()
+        super().end_training()
+
+    def _release_engines(self) -> None:
+        for engine in self._graph_engines:
+            engine.release()
+        self._graph_engines = []
+        self._captures_seen = {}
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         """The user's model: removes the engine, then whatever Accelerate added."""

@@ -11,9 +11,10 @@ Accelerate script calls ``model(...)``, ``accelerator.backward(loss)``, ``optimi
 * **backward** (driven by :meth:`CUDAGraphAccelerator.backward
   <cg_lightning.accelerate.CUDAGraphAccelerator.backward>`): :meth:`start_backward` ends the micro-batch
   (``end_step``); after autograd, :meth:`finish_backward` waits for the buckets (unless under
-  :meth:`no_sync`) and, on the micro-batch that completes an optimizer step, points ``param.grad`` at
-  ``main_grad`` for clipping and the optimizer.
-* **step count**: every micro-batch whose backward exposed the gradients completes one optimizer step;
+  :meth:`no_sync`) and points ``param.grad`` at ``main_grad``, for clipping and the optimizer on the
+  micro-batch that completes an optimizer step and, as plain PyTorch has it, on the others too.
+* **step count**: every micro-batch whose backward ran with Accelerate's ``sync_gradients`` completes one
+  optimizer step;
   their number is the manager's global step (as Lightning's ``global_step``), so the schedule does not
   depend on the optimizer being prepared.
 * **zero_grad**: the prepared optimizer's ``zero_grad`` calls :meth:`zero_grad_buffer`. Gradients
@@ -48,11 +49,12 @@ class GraphedDataParallel(DataParallelEngine):
 
     Attributes:
         graph_manager: the manager, or ``None``.
-        steps: optimizer steps completed so far (int): micro-batches whose backward exposed the
-            gradients. Graphs are scheduled by it (capture happens in the first micro-batch with
+        steps: optimizer steps completed so far (int): micro-batches whose backward ran with
+            ``sync_gradients``. Graphs are scheduled by it (capture happens in the first micro-batch with
             ``steps >= warmup_steps``).
         micro_batch_open: a forward with autograd enabled ran and its backward has not started yet.
-        grads_exposed: ``param.grad`` currently points at ``main_grad``.
+        grads_exposed: ``param.grad`` currently points at ``main_grad`` (after every ``accelerator.backward``
+            until ``zero_grad``; see :meth:`finish_backward`).
 
     Raises:
         GradSyncError: from :meth:`finish_backward`, when a parameter did not report its gradient (see
@@ -72,7 +74,12 @@ class GraphedDataParallel(DataParallelEngine):
         self.graph_manager = graph_manager
         self.steps = 0
         self.micro_batch_open = False
-        self.grads_exposed = False
+        # the last backward through accelerator.backward completed an optimizer step, and the optimizer has not
+        # stepped since (what check_ready_for_step asks for)
+        self._step_backward_done = False
+        # armed by CUDAGraphAccelerator.backward only: a backward outside it (through accelerator.unwrap_model's
+        # model, or after training) fills param.grad as plain PyTorch does
+        self.hooks_armed = False
 
     @property
     def graph_stats(self) -> Optional[GraphStats]:
@@ -80,11 +87,13 @@ class GraphedDataParallel(DataParallelEngine):
         return self.graph_manager.stats if self.graph_manager is not None else None
 
     def forward(self, *args, **kwargs):
+        """Open a micro-batch at the first forward with autograd since the last backward, then the engine's
+        forward (buffers broadcast from rank 0 when due, ``ddp.broadcast_buffers``; then the module)."""
         if not self.micro_batch_open and torch.is_grad_enabled():
             self.micro_batch_open = True
             if self.graph_manager is not None:
                 self.graph_manager.begin_step(self.steps)
-        return self.module(*args, **kwargs)
+        return super().forward(*args, **kwargs)
 
     # ----------------------------------------------------------------- backward
     def start_backward(self) -> bool:
@@ -100,35 +109,32 @@ class GraphedDataParallel(DataParallelEngine):
         self.micro_batch_open = False
         if self.graph_manager is not None:
             self.graph_manager.end_step()
-        if self.grads_exposed:
-            with torch.no_grad():
-                for p in self.params:
-                    if p.grad is None:
-                        p.main_grad.zero_()
-                    elif p.grad is not p.main_grad:
-                        p.main_grad.copy_(p.grad)
-                    p.grad = None
-            self.grads_exposed = False
+        self.take_back_grads()
         return was_open
 
-    def finish_backward(self, expose: bool) -> None:
-        """After autograd: wait for the buckets (unless under :meth:`no_sync`); optionally expose grads.
+    def finish_backward(self, completes_step: bool) -> None:
+        """After autograd: wait for the buckets (unless under :meth:`no_sync`), then point ``param.grad`` at
+        ``main_grad``, as plain PyTorch holds the sum so far in ``param.grad`` after every backward: on an
+        accumulation micro-batch too (the local, not yet all-reduced sum), so clipping, scaling or reading it
+        there works as without the engine. Only where ``ddp.grad_dtype`` differs from the parameters' dtype
+        (``param.grad`` would be a cast copy, which :meth:`take_back_grads` could not carry back exactly) are
+        accumulation micro-batches left with ``param.grad`` ``None``.
 
         Args:
-            expose: point ``param.grad`` at ``main_grad`` (the micro-batch completes an optimizer step,
-                which is counted in :attr:`steps`).
+            completes_step: the micro-batch completes an optimizer step (counted in :attr:`steps`).
         """
         if self.sync_enabled:
             self.finish_grad_sync()
-        if expose:
+        if completes_step or self.grads_alias_main_grad:
             self.expose_grads()
-            self.grads_exposed = True
+        self._step_backward_done = completes_step
+        if completes_step:
             self.steps += 1
 
     # ----------------------------------------------------------------- optimizer
     def check_ready_for_step(self) -> None:
         """Raise if a forward's backward did not go through ``accelerator.backward`` (no grads exposed)."""
-        if self.micro_batch_open and not self.grads_exposed:
+        if self.micro_batch_open and not self._step_backward_done:
             raise RuntimeError(
                 "cg_lightning: the optimizer steps while a forward's backward has not gone through "
                 "accelerator.backward(loss). With CUDAGraphAccelerator call accelerator.backward(loss) "
@@ -138,15 +144,20 @@ class GraphedDataParallel(DataParallelEngine):
 
     def after_optimizer_step(self) -> None:
         """Close a micro-batch left open by a forward after the backward (the next forward starts a new one)."""
+        self._step_backward_done = False
         if self.micro_batch_open:
             self.micro_batch_open = False
             if self.graph_manager is not None:
                 self.graph_manager.end_step()
 
-    def zero_grad_buffer(self) -> None:
-        """Zero every ``main_grad`` and drop ``param.grad``."""
-        super().zero_grad_buffer()
-        self.grads_exposed = False
+    def covers_all(self, params) -> bool:
+        """Whether ``params`` (an optimizer's) include every trainable parameter of this engine: its
+        ``zero_grad`` may then zero the whole buffer (:meth:`zero_grad_buffer`). An optimizer over a part only
+        zeroes its own ``param.grad`` (``set_to_none`` drops the alias, and :meth:`start_backward` then zeroes
+        those ``main_grad`` views before the next backward), so another optimizer's gradients survive until its
+        own step, as with plain PyTorch."""
+        ids = {id(p) for p in params}
+        return all(id(p) in ids for p in self.params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad`` that also zeroes ``main_grad`` (where the gradients really are)."""
@@ -157,3 +168,16 @@ class GraphedDataParallel(DataParallelEngine):
         """Restore the graphed layers' own ``forward`` and drop the graphs (the engine keeps working)."""
         if self.graph_manager is not None:
             self.graph_manager.remove()
+
+    def release(self) -> None:
+        """Give the model back as if never prepared: graphs removed, the engine's hooks removed (a later
+        ``backward`` fills ``param.grad`` again), ``param.grad`` no longer pointing at ``main_grad``, and
+        Accelerate's "prepared" mark taken off the model, so ``prepare`` wraps it again. Called by
+        ``CUDAGraphAccelerator.free_memory`` and ``end_training``; the engine must not be used afterwards."""
+        self.remove_graphs()
+        if self.grads_exposed:
+            self.take_back_grads()
+            for p in self.params:
+                p.grad = p.main_grad.detach().clone() if p.main_grad.dtype is p.dtype else p.main_grad.to(p.dtype)
+        self.close()
+        self.module.__dict__.pop("_is_accelerate_prepared", None)

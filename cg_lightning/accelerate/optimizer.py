@@ -49,7 +49,13 @@ class GradBufferOptimizer(AcceleratedOptimizer):
         return out
 
     def zero_grad(self, set_to_none=None) -> None:
+        """Accelerate's ``zero_grad``; on a step micro-batch also the ``main_grad`` buffer of every engine whose
+        parameters this optimizer all holds. An engine shared with other optimizers keeps their gradients
+        (``GraphedDataParallel.covers_all``): ``o1.step(); o1.zero_grad(); o2.step()`` steps ``o2`` on its
+        gradients, as with plain PyTorch."""
         super().zero_grad(set_to_none=set_to_none)
         if self.gradient_state.sync_gradients:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
             for engine in self._engines(self):
-                engine.zero_grad_buffer()
+                if engine.covers_all(params):
+                    engine.zero_grad_buffer()

@@ -132,6 +132,12 @@ class DataParallelEngine(nn.Module):
         self._main_grads = [p.main_grad for p in self.params]
         self._main_grads_same_dtype = all(g.dtype is p.dtype for p, g in zip(self.params, self._main_grads))
         self.sync_enabled = True
+        #: ``param.grad`` points at ``main_grad`` (:meth:`expose_grads`) and nothing has zeroed it since
+        self.grads_exposed = False
+        #: the hooks move eagerly computed gradients into ``main_grad`` and report them ready; when ``False``
+        #: they leave ``param.grad`` to autograd, as if the engine were not there (the Accelerate engine arms
+        #: them only inside ``accelerator.backward``; graph capture records occurrences either way)
+        self.hooks_armed = True
         self.golden_known = False
         # called with the parameter at every grad-ready occurrence, before counting (tracing and tests)
         self.ready_observer: Optional[Callable[[nn.Parameter], None]] = None
@@ -185,6 +191,8 @@ class DataParallelEngine(nn.Module):
         def hook(*_unused) -> None:
             if grad_ready_deferred():
                 record_grad_ready(param, notify)
+                return
+            if not self.hooks_armed:  # a backward the engine does not own: plain accumulation into param.grad
                 return
             if param.grad_added_to_main_grad:
                 param.grad_added_to_main_grad = False
@@ -390,6 +398,7 @@ class DataParallelEngine(nn.Module):
         Every step; while every ``main_grad`` is still the view the engine made and has its parameter's dtype
         (the usual case), in C-level ``map`` calls rather than a Python loop over the parameters."""
         params, mains = self.params, self._main_grads
+        self.grads_exposed = True
         if self._main_grads_same_dtype and all(map(operator.is_, map(_MAIN_GRAD, params), mains)):
             try:
                 deque(map(setattr, params, repeat("grad"), mains), maxlen=0)
@@ -400,6 +409,34 @@ class DataParallelEngine(nn.Module):
             g = p.main_grad
             p.grad = g if g.dtype is p.dtype else g.to(p.dtype)
 
+    @property
+    def grads_alias_main_grad(self) -> bool:
+        """Whether :meth:`expose_grads` makes every ``param.grad`` the ``main_grad`` tensor itself (the
+        gradient dtype is the parameters'), so that what a user does to ``param.grad`` between micro-batches
+        (clip, scale, zero, replace) can be carried back exactly by :meth:`take_back_grads`."""
+        return self._main_grads_same_dtype
+
+    def take_back_grads(self) -> None:
+        """Before a backward, if gradients are still exposed: make ``main_grad`` what ``param.grad`` says now,
+        then drop ``param.grad``, so the backward accumulates onto what eager PyTorch would accumulate onto.
+
+        ``param.grad`` is ``None`` (zeroed with ``set_to_none``): ``main_grad`` is zeroed; another tensor
+        (replaced by the user): copied in; ``main_grad`` itself: kept, with whatever was done to it in place
+        (clipping, scaling). Dropping ``param.grad`` matters: autograd would otherwise add into ``main_grad``
+        in place and the engine's hook would add the same gradient again.
+        """
+        if not self.grads_exposed:
+            return
+        with torch.no_grad():
+            for p in self.params:
+                g = p.grad
+                if g is None:
+                    p.main_grad.zero_()
+                elif g is not p.main_grad:
+                    p.main_grad.copy_(g)
+                p.grad = None
+        self.grads_exposed = False
+
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` and drop ``param.grad`` (after the optimizer step)."""
         for buf in self.buffers_:
@@ -407,6 +444,7 @@ class DataParallelEngine(nn.Module):
         for p in self.params:
             p.grad = None
             p.grad_added_to_main_grad = False
+        self.grads_exposed = False
 
     def _broadcast_states(self) -> None:
         with torch.no_grad():

@@ -49,6 +49,10 @@ class CallRecord:
     #: was made and on the output when it returned (a hook added in between ends the segment there)
     input_hooks: tuple = ()
     output_hooks: tuple = ()
+    #: per flattened output, the strides of the gradient the recorded step's backward handed it (``None``
+    #: where none came): the layout the backward graph's gradient-output buffers take, so a replay computes on
+    #: the layout eager backward computes on (runner.static_grad_output_buffer)
+    grad_output_layouts: Optional[list] = None
 
 
 @dataclass

@@ -38,7 +38,7 @@ from .graph_sets import CallRecord, GraphSet, GraphSetCache, StepRecord, describ
 from .options import GraphOptions
 from .replay import ReplayFunction
 from . import segment_node
-from .runner import LayerGraphRunner
+from .runner import LayerGraphRunner, watch_grad_layouts
 from .selection import select_layers
 from .autocast import autocast_state
 from .segments import SegmentError, breaks_between, draws, find_segments, mark_outside_uses, rng_state
@@ -254,6 +254,7 @@ class GraphManager:
                     record.input_hooks = tuple(args[0]._backward_hooks or ())
                 record.rng_before = rng_state(self.device)
             out = layer.forward(*args, **kwargs)
+            record.grad_output_layouts = watch_grad_layouts(out)  # before output_hooks: the hook is part of them
             if self.options.segments:
                 record.rng_after = rng_state(self.device)
             if self.options.segments and isinstance(out, torch.Tensor):
@@ -464,6 +465,7 @@ class GraphManager:
             clone_param_grads_on_return=False,
             num_warmup_iters=self.options.num_warmup_iters,
             autocast=call.autocast,
+            grad_output_layouts=call.grad_output_layouts,
         )
 
     def _mark_failed(self, layer: _Layer, exc: BaseException) -> None:

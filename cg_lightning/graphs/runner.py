@@ -41,8 +41,9 @@ of each hidden parameter is then absorbed by that edge.
 
 from __future__ import annotations
 
+import functools
 import operator
-from typing import Callable, List, Optional, Sequence, Set
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -69,6 +70,47 @@ def _flat_outputs(out) -> tuple:
     return leaves, spec
 
 
+def watch_grad_layouts(out) -> List[Optional[Tuple[int, ...]]]:
+    """A list, one entry per flattened output of an eager call, that the call's backward fills with the
+    strides of the gradient each output receives (``None`` until then, or for outputs without one).
+
+    Eager backward computes a layer's backward on whatever layout the consumer of its output hands back (a
+    contiguous gradient for a transposed or channels-last output, say). A backward graph reads its gradient
+    outputs from buffers filled by copy; made with the outputs' own layout, a replay would compute on another
+    memory order than eager, and reductions would sum in another order (up to 1e-7 relative apart)."""
+    leaves, _ = _flat_outputs(out)
+    layouts: List[Optional[Tuple[int, ...]]] = [None] * len(leaves)
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(functools.partial(_note_layout, layouts, i))
+    return layouts
+
+
+def _note_layout(layouts: list, i: int, grad: torch.Tensor) -> None:
+    layouts[i] = tuple(grad.stride())
+
+
+def _dense_layout(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely without overlap (a permutation of a contiguous layout)."""
+    if len(shape) != len(stride):
+        return False
+    expected = 1
+    for size, st in sorted(((n, s) for n, s in zip(shape, stride) if n != 1), key=lambda d: d[1]):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def static_grad_output_buffer(output: torch.Tensor, layout: Optional[Sequence[int]]) -> torch.Tensor:
+    """A zeroed buffer for the gradient of ``output``: in ``layout`` (the strides of the gradient eager backward
+    handed this output, :func:`watch_grad_layouts`) when that is a dense layout of its shape, else in the
+    output's own layout (``zeros_like``)."""
+    if layout is not None and tuple(layout) != tuple(output.stride()) and _dense_layout(output.shape, layout):
+        return torch.empty_strided(output.shape, tuple(layout), dtype=output.dtype, device=output.device).zero_()
+    return torch.zeros_like(output)
+
+
 class LayerGraphRunner:
     """Forward and backward graph of one call of one layer.
 
@@ -85,6 +127,9 @@ class LayerGraphRunner:
         num_warmup_iters: eager warmup passes (>= 1).
         autocast: the autocast settings the call was recorded under (:func:`.capture.autocast_state`);
             warmup, capture and eager-backend replays of the body run under them. ``None``: the ambient ones.
+        grad_output_layouts: per flattened output, the strides of the gradient eager backward handed it in the
+            recorded step (:func:`watch_grad_layouts`), or ``None``: the layouts of the buffers the backward graph
+            reads its output gradients from (:func:`static_grad_output_buffer`). ``None``: the outputs' own.
     """
 
     def __init__(
@@ -102,8 +147,10 @@ class LayerGraphRunner:
         clone_param_grads_on_return: bool = True,
         num_warmup_iters: int = 1,
         autocast: Optional[tuple] = None,
+        grad_output_layouts: Optional[list] = None,
     ) -> None:
         self.name = name
+        self.grad_output_layouts = grad_output_layouts
         self.autocast = autocast  # the call's own autocast settings (capture.autocast_state), None: ambient
         self.module = module
         self._call = call
@@ -377,8 +424,10 @@ class LayerGraphRunner:
         """Allocate the buffers the backward graph reads its output gradients from. Outside any capture
         region: inside one (a segment's forward) the allocation would be recorded as a memset on pool memory
         that later captures may be handed."""
+        layouts = self.grad_output_layouts or []
         self.static_grad_outputs = [
-            torch.zeros_like(o) if g else None for o, g in zip(self._fwd.outputs, self.output_requires_grad)
+            static_grad_output_buffer(o, layouts[k] if k < len(layouts) else None) if g else None
+            for k, (o, g) in enumerate(zip(self._fwd.outputs, self.output_requires_grad))
         ]
 
     def _refuse_foreign_leaves(self, outs) -> None:
