@@ -5,6 +5,8 @@ Every case trains the same model with the same data twice: eagerly without recom
 1e-6 at every step. The backend is ``eager`` on CPU and ``cuda`` on a GPU (``cuda`` marker).
 """
 
+import re
+
 import pytest
 import torch
 
@@ -354,6 +356,28 @@ def test_hooks_on_submodules_are_refused_at_capture():
     manager.begin_step(1)
     with pytest.raises(GraphCaptureError, match=r"forward hook on submodule 'projection' would run once at capture"):
         model(torch.randn(4, 16))
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_gradient_hooks_on_parameters_of_a_graphed_layer_are_refused_before_warmup(kind):
+    """A gradient hook on a graphed layer's parameter cannot run at replay (the gradient is computed inside the
+    graph): refused by name before the warmup passes, instead of the hook receiving None during capture (a
+    TypeError inside the user's hook) or silently no longer firing after capture."""
+    from cg_lightning import GraphCaptureError
+
+    model = em.Stack(em.SeedLayer, 16, 1, recompute=False)
+    calls = []
+    getattr(model.layers[0].projection.weight, kind)(lambda t: calls.append(t is None))
+    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    manager.begin_step(0)
+    model(torch.randn(4, 16)).backward()
+    seen = list(calls)
+    manager.begin_step(1)
+    expected = "gradient hook (register_hook)" if kind == "register_hook" else "post-accumulate-grad hook"
+    with pytest.raises(GraphCaptureError, match=rf"{re.escape(expected)} on parameter 'projection.weight' would run "
+                                                r"once at capture.*on_before_optimizer_step"):
+        model(torch.randn(4, 16))
+    assert seen == [False] and calls == seen  # ran in the eager step with a gradient; not run again at warmup
 
 
 def test_weight_of_a_graphed_layer_also_used_outside_graphs():

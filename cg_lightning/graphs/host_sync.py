@@ -123,8 +123,15 @@ def hook_dicts(layer: torch.nn.Module) -> List[dict]:
 
 
 def hooks_inside(layer: torch.nn.Module) -> List[str]:
-    """Descriptions of the module hooks that would run only at capture: on submodules, or global ones."""
+    """Descriptions of the hooks that would run only at capture: module hooks on submodules, global module
+    hooks, and gradient hooks on the layer's parameters (``Tensor.register_hook``,
+    ``register_post_accumulate_grad_hook``: a replay computes those gradients inside the graph)."""
     found = []
+    for name, p in layer.named_parameters():
+        if getattr(p, "_backward_hooks", None):
+            found.append(f"gradient hook (register_hook) on parameter {name!r}")
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            found.append(f"post-accumulate-grad hook on parameter {name!r}")
     kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
     for name, module in layer.named_modules():
         if module is layer:

@@ -269,6 +269,7 @@ class LayerGraphRunner:
             GraphCaptureError: naming the layer, if a pass fails or the layer runs under saved-tensor
                 hooks (an enclosing non-reentrant ``torch.utils.checkpoint``).
         """
+        self._refuse_hooks()
         if _saved_tensor_hooks_active():
             raise GraphCaptureError(
                 f"could not capture layer {self.name!r}: it runs under saved-tensor hooks, e.g. inside a "
@@ -305,6 +306,18 @@ class LayerGraphRunner:
                         )
                 del outs, diff, inputs
 
+    def _refuse_hooks(self) -> None:
+        """Hooks that would run at warmup and capture only (``host_sync.hooks_inside``) are an error naming them."""
+        hooks = hooks_inside(self.module)
+        if hooks:
+            raise GraphCaptureError(
+                f"could not capture layer {self.name!r}: {', '.join(hooks)} would run once at capture and never "
+                "at replay. Remove those hooks, register module hooks on the graphed layer itself, act on "
+                "param.grad after the backward instead of in a parameter's gradient hook (Lightning's "
+                "on_before_optimizer_step or on_after_backward, or after accelerator.backward), or leave the layer "
+                "out of graphs.layers."
+            )
+
     def capture_forward(self) -> None:
         """Capture the forward into the shared pool; fixes ``params_to_backprop``."""
 
@@ -318,13 +331,7 @@ class LayerGraphRunner:
             self._out_spec = spec
             return list(outs)
 
-        hooks = hooks_inside(self.module)
-        if hooks:
-            raise GraphCaptureError(
-                f"could not capture layer {self.name!r}: {', '.join(hooks)} would run once at capture and never "
-                "at replay. Remove those hooks, register them on the graphed layer itself, or leave the layer "
-                "out of graphs.layers."
-            )
+        self._refuse_hooks()
         try:
             with recording_bypassed_regions() as regions, refuse_host_sync():
                 self._fwd = self.backend.capture(body, self.pool)
