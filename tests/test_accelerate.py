@@ -489,3 +489,14 @@ def test_free_memory_then_prepare_the_same_model_again(fresh_accelerate_state):
         out[kind] = (first + second, {k: v.clone() for k, v in raw.state_dict().items()})
     assert out["cg"][0] == out["eager"][0]
     assert all(torch.equal(out["cg"][1][k], out["eager"][1][k]) for k in out["eager"][1])
+
+
+@pytest.mark.parametrize("device", _CASE_DEVICES)
+def test_gan_generator_waits_for_the_backward_that_reaches_it(device, fresh_accelerate_state):
+    """A GAN loop: the generator's forward feeds the discriminator's loss detached, so that backward reaches no
+    generator parameter; its micro-batch stays open until the generator's loss (it was a GradSyncError naming the
+    generator's parameters as missing). Same losses and weights as plain Accelerate (bit for bit on CPU)."""
+    cases = _cases()
+    cg, eager = cases.run("cg", "gan", device), cases.run("eager", "gan", device)
+    assert cg["replays"] == N_LAYER * (6 - WARMUP)
+    _assert_same_training(cg, eager, 0.0 if device == "cpu" else 1e-6)

@@ -274,3 +274,32 @@ def test_a_missing_gradient_without_a_cast_does_not_mention_one():
     with pytest.raises(GradSyncError) as info:
         engine.finish_grad_sync()
     assert "ready 0 times, expected 1" in str(info.value) and "changed dtype" not in str(info.value)
+
+
+def test_a_backward_that_reaches_no_parameter_names_the_model_and_the_detached_forward():
+    """A model whose forward ran but whose output the loss does not use (detached): every parameter 0 times. The
+    error names the model's class and says what usually does that (a GAN generator's detached output) and what
+    to do; a backward that reaches some parameters does not say it."""
+    import torch
+
+    from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    engine = DataParallelEngine(model, DDPOptions())
+    model(torch.randn(2, 4)).sum().backward()
+    engine.finish_grad_sync()
+    engine.zero_grad_buffer()
+    other = torch.nn.Parameter(torch.ones(1))
+    (model(torch.randn(2, 4)).detach() * other).sum().backward()
+    with pytest.raises(GradSyncError, match=r"(?s)parameters of Sequential did not report ready.*No parameter of this "
+                       r"model \(Sequential\) got a gradient.*GAN generator's output.*torch.no_grad\(\)"):
+        engine.finish_grad_sync()
+    engine.close()
+    engine2 = DataParallelEngine(model, DDPOptions())
+    model(torch.randn(2, 4)).sum().backward()
+    engine2.finish_grad_sync()
+    engine2.zero_grad_buffer()
+    model[1](torch.randn(2, 4)).sum().backward()  # the first layer gets nothing: a partial miss
+    with pytest.raises(GradSyncError) as info:
+        engine2.finish_grad_sync()
+    assert "0.weight (ready 0 times, expected 1)" in str(info.value) and "No parameter of this model" not in str(info.value)

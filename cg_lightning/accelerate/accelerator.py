@@ -176,8 +176,10 @@ class CUDAGraphAccelerator(Accelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``Accelerator.backward`` (loss divided by the accumulation steps, fp16 scaling), then the engine.
 
-        For every engine whose forward fed this micro-batch: waits for its all-reduce (unless under
-        ``no_sync``) and, when ``sync_gradients`` is true, points ``param.grad`` at ``main_grad``.
+        For every engine whose forward fed this micro-batch and whose parameters this backward reached: waits
+        for its all-reduce (unless under ``no_sync``) and points ``param.grad`` at ``main_grad``. An engine whose
+        forward ran but whose parameters the loss does not depend on (a GAN generator's detached output in the
+        discriminator's loss) keeps its micro-batch open for the next backward.
 
         Raises:
             GradSyncError: a parameter did not report its gradient on some rank (named in the message).
@@ -204,6 +206,11 @@ class CUDAGraphAccelerator(Accelerator):
                     "once per backward, in training steps."
                 )
         for engine in active:
+            if not engine.reached:
+                # the loss did not depend on this model's forward (a GAN generator's detached output in the
+                # discriminator's loss): its micro-batch waits for a backward that reaches it
+                engine.backward_pending = True
+                continue
             engine.finish_backward(completes_step=self.sync_gradients)
             self._report_capture(engine)
 

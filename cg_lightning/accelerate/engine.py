@@ -80,6 +80,9 @@ class GraphedDataParallel(DataParallelEngine):
         # armed by CUDAGraphAccelerator.backward only: a backward outside it (through accelerator.unwrap_model's
         # model, or after training) fills param.grad as plain PyTorch does
         self.hooks_armed = False
+        #: a forward ran whose micro-batch no backward has reached yet (CUDAGraphAccelerator.backward): a GAN's
+        #: generator, whose detached output fed the discriminator's loss, waits for the generator's loss
+        self.backward_pending = False
 
     @property
     def graph_stats(self) -> Optional[GraphStats]:
@@ -105,8 +108,10 @@ class GraphedDataParallel(DataParallelEngine):
         copied in, the alias itself keeps its values. Then ``param.grad`` is dropped, since autograd would
         otherwise add into ``main_grad`` in place and the hook would add the same gradient again.
         """
-        was_open = self.micro_batch_open
+        was_open = self.micro_batch_open or self.backward_pending
         self.micro_batch_open = False
+        self.backward_pending = False
+        self.reached = False
         if self.graph_manager is not None:
             self.graph_manager.end_step()
         self.take_back_grads()

@@ -138,6 +138,8 @@ class DataParallelEngine(nn.Module):
         #: they leave ``param.grad`` to autograd, as if the engine were not there (the Accelerate engine arms
         #: them only inside ``accelerator.backward``; graph capture records occurrences either way)
         self.hooks_armed = True
+        #: some parameter reported ready since this was last set to False (with or without gradient sync)
+        self.reached = False
         self.golden_known = False
         # called with the parameter at every grad-ready occurrence, before counting (tracing and tests)
         self.ready_observer: Optional[Callable[[nn.Parameter], None]] = None
@@ -231,6 +233,7 @@ class DataParallelEngine(nn.Module):
         plan = [(bucket, tuple(slots)) for bucket, slots in groups.values()]
 
         def report_all() -> None:
+            self.reached = True
             if self.ready_observer is not None:
                 for r in reporters:
                     r()
@@ -332,13 +335,25 @@ class DataParallelEngine(nn.Module):
             "precision setting), not in a hook during training. "
         )
 
+    def _none_reached(self, missing) -> str:
+        """A sentence for a backward that reached no parameter of this model at all ('' otherwise)."""
+        if len(missing) < len(self.params) or any(b.slot_counts[b.slot_of[p]] for p, b in missing):
+            return ""
+        return (
+            f"No parameter of this model ({type(self.module).__name__}) got a gradient although it ran a forward "
+            "for this backward: its output did not reach the loss (detached, or used only for another loss, as a "
+            "GAN generator's output in the discriminator's step). Run such a forward under torch.no_grad(), or "
+            "backward through it. "
+        )
+
     def _agree(self, missing) -> None:
         local = self._describe(missing)
         if self._control_group is None:
             if local:
                 raise GradSyncError(
-                    f"rank {self.rank}: gradients of these parameters did not report ready as expected in "
-                    f"iteration {self.iteration}: {', '.join(local)}. {self._cast_since_setup()}{_CAUSES}"
+                    f"rank {self.rank}: gradients of these parameters of {type(self.module).__name__} did not "
+                    f"report ready as expected in iteration {self.iteration}: {', '.join(local)}. "
+                    f"{self._none_reached(missing)}{self._cast_since_setup()}{_CAUSES}"
                 )
             return
         flag = torch.tensor([len(local)], dtype=torch.int64)
@@ -356,8 +371,9 @@ class DataParallelEngine(nn.Module):
         dist.all_gather_object(reports, local, group=self._control_group)
         lines = [f"rank {r}: {', '.join(rep)}" for r, rep in enumerate(reports) if rep]
         raise GradSyncError(
-            f"gradients did not report ready as expected in iteration {self.iteration} "
-            f"(seen on rank {self.rank}):\n  " + "\n  ".join(lines) + f"\n{self._cast_since_setup()}{_CAUSES}"
+            f"gradients of parameters of {type(self.module).__name__} did not report ready as expected in "
+            f"iteration {self.iteration} (seen on rank {self.rank}):\n  " + "\n  ".join(lines)
+            + f"\n{self._none_reached(missing)}{self._cast_since_setup()}{_CAUSES}"
         )
 
     def _check_golden_across_ranks(self) -> None:
@@ -468,6 +484,7 @@ class _Reporter:
 
     def __call__(self) -> None:
         engine = self.engine
+        engine.reached = True
         observer = engine.ready_observer
         if observer is not None:
             observer(self.param)

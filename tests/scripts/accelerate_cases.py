@@ -8,6 +8,7 @@ fixed data, and returns what the test compares: losses, what the loop saw in ``p
   o2.step(); o2.zero_grad()``.
 * ``microbatch_grads``: gradient accumulation 2; after every ``accelerator.backward`` the loop reads the
   gradient norm, clips it with ``accelerator.clip_grad_norm_`` and halves every gradient in place.
+* ``gan``: a generator and a discriminator, the generator's output detached in the discriminator's loss.
 * ``bn``: the BatchNorm model, an eval forward after every step (running statistics matter); under torchrun
   each rank gets its own data shard, so only ``ddp.broadcast_buffers`` keeps the ranks' statistics equal.
 
@@ -107,7 +108,7 @@ def two_optimizers(kind: str, device: str, steps: int = 6) -> Dict[str, object]:
         o1.zero_grad()
         o2.step()
         o2.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return _result(acc, model, losses)
 
 
@@ -131,7 +132,7 @@ def microbatch_grads(kind: str, device: str, steps: int = 6) -> Dict[str, object
                     g.mul_(0.5)
             optimizer.step()
             optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return _result(acc, model, losses, seen)
 
 
@@ -149,7 +150,7 @@ def bn(kind: str, device: str, steps: int = 6) -> Dict[str, object]:
         acc.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         model.eval()
         with torch.no_grad():
             seen.append(float(_loss(model(x_eval), y_eval)))
@@ -157,7 +158,53 @@ def bn(kind: str, device: str, steps: int = 6) -> Dict[str, object]:
     return _result(acc, model, losses, seen)
 
 
-CASES = {"two_optimizers": two_optimizers, "microbatch_grads": microbatch_grads, "bn": bn}
+class Mlp(nn.Module):
+    """A vector-to-vector model with two graphed blocks (a GAN's generator or discriminator)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, D)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.out = nn.Linear(D, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def gan(kind: str, device: str, steps: int = 6) -> Dict[str, object]:
+    """Two prepared models, one optimizer each; the generator's forward feeds the discriminator's loss detached
+    (no gradient reaches it there), then the generator's loss through the discriminator. Each optimizer's
+    gradients are zeroed before its backward, as GAN loops do."""
+    acc = _accelerator(kind, device)
+    torch.manual_seed(0)
+    gen, disc = Mlp(8, 16), Mlp(16, 1)
+    o_gen, o_disc = torch.optim.Adam(gen.parameters(), lr=1e-3), torch.optim.Adam(disc.parameters(), lr=1e-3)
+    gen, disc, o_gen, o_disc = acc.prepare(gen, disc, o_gen, o_disc)
+    g = torch.Generator().manual_seed(5)
+    bce = F.binary_cross_entropy_with_logits
+    losses = []
+    for _ in range(steps):
+        z, real = torch.randn(4, 8, generator=g).to(acc.device), torch.randn(4, 16, generator=g).to(acc.device)
+        ones, zeros = torch.ones(4, 1, device=acc.device), torch.zeros(4, 1, device=acc.device)
+        fake = gen(z)
+        o_disc.zero_grad()
+        d_loss = bce(disc(real), ones) + bce(disc(fake.detach()), zeros)
+        acc.backward(d_loss)
+        o_disc.step()
+        o_gen.zero_grad()
+        g_loss = bce(disc(fake), ones)
+        acc.backward(g_loss)
+        o_gen.step()
+        losses.extend([float(d_loss.detach()), float(g_loss.detach())])
+    result = _result(acc, gen, losses)
+    result["state"].update({f"disc.{k}": v for k, v in _result(acc, disc, [])["state"].items()})
+    return result
+
+
+CASES = {"two_optimizers": two_optimizers, "microbatch_grads": microbatch_grads, "bn": bn, "gan": gan}
 
 
 def run(kind: str, case: str, device: str = "cpu") -> Dict[str, object]:
