@@ -215,6 +215,13 @@ def run(kind: str, case: str, device: str = "cpu") -> Dict[str, object]:
 if __name__ == "__main__":
     import os
 
+    import torch.distributed as dist
+
     kind, case, out = sys.argv[1:4]
     result = run(kind, case, "cuda" if torch.cuda.is_available() else "cpu")
     torch.save(result, f"{out}.rank{os.environ.get('RANK', '0')}")
+    if dist.is_initialized():
+        # a gloo group still alive at interpreter exit can abort the process on recent torch ("terminate called
+        # without an active exception"), with plain Accelerate too
+        dist.barrier()
+        dist.destroy_process_group()
