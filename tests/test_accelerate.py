@@ -500,3 +500,52 @@ def test_gan_generator_waits_for_the_backward_that_reaches_it(device, fresh_acce
     cg, eager = cases.run("cg", "gan", device), cases.run("eager", "gan", device)
     assert cg["replays"] == N_LAYER * (6 - WARMUP)
     _assert_same_training(cg, eager, 0.0 if device == "cpu" else 1e-6)
+
+
+@pytest.mark.parametrize("zero_after", [False, True])
+def test_a_backward_outside_accelerator_backward_mid_training_accumulates_as_plain(zero_after, fresh_accelerate_state):
+    """After capture, a saliency-style backward through accelerator.unwrap_model(model) fills param.grad; the next
+    accelerator.backward accumulates onto it as plain PyTorch does unless the loop zeroes first. The graphed
+    blocks' share of those gradients was dropped (the replays add into main_grad, which never saw it; weights
+    0.1 off), the eager layers' was kept. Losses and weights equal plain Accelerate, bit for bit."""
+    cases = _cases()
+    out = {}
+    for kind in ("cg", "eager"):
+        acc = cases._accelerator(kind, "cpu")
+        torch.manual_seed(0)
+        raw = cases.Net()
+        optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(cases._data(4 * 6), batch_size=4)
+        model, optimizer, loader = acc.prepare(raw, optimizer, loader)
+        losses = []
+        for step, (x, y) in enumerate(loader):
+            if step == 3:  # after capture (warmup 2)
+                xs, ys = cases._data(4, seed=9).tensors
+                cases._loss(acc.unwrap_model(model)(xs), ys).backward()
+                if zero_after:
+                    optimizer.zero_grad()
+            loss = cases._loss(model(x), y)
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        out[kind] = (losses, {k: v.clone() for k, v in raw.state_dict().items()})
+    assert out["cg"][0] == out["eager"][0]
+    assert all(torch.equal(out["cg"][1][k], out["eager"][1][k]) for k in out["eager"][1])
+
+
+def test_two_forwards_then_two_backwards_is_refused_naming_the_pattern(fresh_accelerate_state):
+    """Accelerate's trigger_sync_in_backward example (two forwards under no_sync, then one backward each) is not
+    supported: the second backward is refused, and the message names that pattern and what to do instead."""
+    cases = _cases()
+    acc = cases._accelerator("cg", "cpu")
+    torch.manual_seed(0)
+    model, optimizer = acc.prepare(cases.Net(), torch.optim.SGD(cases.Net().parameters(), lr=0.1))
+    (xa, ya), (xb, yb) = [t.tensors for t in (cases._data(4, seed=1), cases._data(4, seed=2))]
+    with acc.no_sync(model):
+        loss_a, loss_b = cases._loss(model(xa), ya), cases._loss(model(xb), yb)
+    acc.backward(loss_a)
+    with pytest.raises(RuntimeError, match=r"two forwards followed by two backwards as in Accelerate's "
+                                            r"trigger_sync_in_backward example.*add the losses and run one backward"):
+        with acc.trigger_sync_in_backward(model):
+            acc.backward(loss_b)

@@ -200,7 +200,9 @@ class CUDAGraphAccelerator(Accelerator):
                 raise RuntimeError(
                     "cg_lightning: accelerator.backward reached parameters of a model prepared by "
                     "CUDAGraphAccelerator without a forward of the prepared model since the last backward (a "
-                    "forward of accelerator.unwrap_model(model), or a second backward through one forward): "
+                    "forward of accelerator.unwrap_model(model), a second backward through one forward, or two "
+                    "forwards followed by two backwards as in Accelerate's trigger_sync_in_backward example, which "
+                    "this engine does not support: add the losses and run one backward): "
                     "their gradients are in main_grad, but the engine would neither all-reduce them nor point "
                     "param.grad at them, and the optimizer step would change nothing. Call the prepared model, "
                     "once per backward, in training steps."

@@ -26,6 +26,7 @@ Imports only torch and the project's engine; the Accelerate glue lives in ``acce
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -33,6 +34,8 @@ import torch.nn as nn
 
 from ..ddp import DataParallelEngine, DDPOptions
 from ..graphs import GraphManager, GraphStats
+
+_GRAD = operator.attrgetter("grad")
 
 
 class GraphedDataParallel(DataParallelEngine):
@@ -107,6 +110,11 @@ class GraphedDataParallel(DataParallelEngine):
         accumulating into it: ``None`` (zeroed with ``set_to_none``) zeroes ``main_grad``, another tensor is
         copied in, the alias itself keeps its values. Then ``param.grad`` is dropped, since autograd would
         otherwise add into ``main_grad`` in place and the hook would add the same gradient again.
+
+        If they are not exposed, ``param.grad`` set anyway came from a backward outside
+        ``accelerator.backward`` (through ``accelerator.unwrap_model(model)``, which fills ``param.grad`` as plain
+        PyTorch does): it is added into ``main_grad`` and dropped, so this backward accumulates onto it as plain
+        PyTorch would, for graphed and eager parameters alike.
         """
         was_open = self.micro_batch_open or self.backward_pending
         self.micro_batch_open = False
@@ -114,8 +122,21 @@ class GraphedDataParallel(DataParallelEngine):
         self.reached = False
         if self.graph_manager is not None:
             self.graph_manager.end_step()
-        self.take_back_grads()
+        if self.grads_exposed:
+            self.take_back_grads()
+        else:
+            self._carry_outside_grads()
         return was_open
+
+    def _carry_outside_grads(self) -> None:
+        grads = list(map(_GRAD, self.params))
+        if grads.count(None) == len(grads):  # the usual case, checked without a Python loop
+            return
+        with torch.no_grad():
+            for p, g in zip(self.params, grads):
+                if g is not None:
+                    p.main_grad.add_(g)
+                    p.grad = None
 
     def finish_backward(self, completes_step: bool) -> None:
         """After autograd: wait for the buckets (unless under :meth:`no_sync`), then point ``param.grad`` at
