@@ -88,7 +88,6 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         self._cached_steps: Dict[int, Optional[CachedFusedAdamStep]] = {}  # id(optimizer) -> cached fused step
         self.last_cached_optimizer_steps = 0  # optimizer steps taken on cached lists in the last fit
         self.last_optimizer_replays = 0  # optimizer steps replayed from a graph in the last fit
-        self._grads_unconsumed = False  # a finished window's main_grad not yet zeroed by an optimizer step
 
     # ----------------------------------------------------------------- setup
     def setup_distributed(self) -> None:
@@ -134,12 +133,10 @@ class CUDAGraphDDPStrategy(DDPStrategy):
 
     # ----------------------------------------------------------------- training step
     def training_step(self, *args: Any, **kwargs: Any):
-        if self._grads_unconsumed and self.engine is not None:
-            # The last window's gradients never reached an optimizer step (a LightningModule.optimizer_step
-            # that ran the closure but skipped optimizer.step). Lightning's own zero_grad would clear
-            # param.grad before this backward; main_grad must start from zero the same way.
-            self.engine.zero_grad_buffer()
-        self._grads_unconsumed = False
+        # A window whose gradients never reached an optimizer step (a LightningModule.optimizer_step that ran the
+        # closure but skipped optimizer.step) leaves them exposed in param.grad: Lightning's optimizer_zero_grad
+        # before the next backward clears them there, and the engine's take_back_grads zeroes main_grad to match;
+        # without that zero_grad they accumulate, as under "ddp".
         manager = self.graph_manager
         if manager is None:
             return super().training_step(*args, **kwargs)
@@ -182,7 +179,10 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         DDP has its all-reduce done: the hooks see ``param.grad`` as under ``strategy="ddp"`` (the all-reduced
         sum on the micro-batch that steps, the local sum so far on the others)."""
         self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)  # on_before_backward
+        if self.engine is not None:
+            # after on_before_backward, which sees (and may change) the sum so far in param.grad, as under "ddp"
+            self.engine.take_back_grads()
         self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
         self._finish_engine_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
@@ -190,11 +190,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         return closure_loss
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        """Gradients still exposed from the last micro-batch go back into ``main_grad`` (with what the hooks
-        did to them, ``DataParallelEngine.take_back_grads``); the graph manager sees the loss
-        (``graphs.direct_grad_ready``)."""
-        if self.engine is not None:
-            self.engine.take_back_grads()
+        """The graph manager sees the loss (``graphs.direct_grad_ready``). Gradients still exposed from the last
+        micro-batch go back into ``main_grad`` in :meth:`backward`, after ``on_before_backward``."""
         if self.graph_manager is not None:
             self.graph_manager.before_backward(closure_loss)
 
@@ -208,7 +205,6 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         if engine.sync_enabled:
             engine.finish_grad_sync()
             engine.expose_grads()
-            self._grads_unconsumed = True
         elif engine.grads_alias_main_grad:
             engine.expose_grads()
 
@@ -237,7 +233,6 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.engine is not None:
             self.engine.zero_grad_buffer()
-        self._grads_unconsumed = False
         return out
 
     def _optimizer_graph(self, optimizer: Optimizer) -> Optional[OptimizerStepGraph]:

@@ -303,3 +303,30 @@ def test_a_backward_that_reaches_no_parameter_names_the_model_and_the_detached_f
     with pytest.raises(GradSyncError) as info:
         engine2.finish_grad_sync()
     assert "0.weight (ready 0 times, expected 1)" in str(info.value) and "No parameter of this model" not in str(info.value)
+
+
+def test_main_grad_put_back_into_the_buffer_after_its_storage_was_swapped():
+    """``param.grad.data = x`` while param.grad is main_grad swaps main_grad's storage out of the gradient
+    buffer; before the next backward (keeping x) and at zero_grad_buffer (dropping it) main_grad points into the
+    buffer again, so later gradients are zeroed and all-reduced with the rest."""
+    import torch
+
+    from cg_lightning.ddp import DataParallelEngine, DDPOptions
+
+    lin = torch.nn.Linear(3, 2)
+    engine = DataParallelEngine(lin, DDPOptions())
+    lin(torch.ones(1, 3)).sum().backward()
+    engine.finish_grad_sync()
+    engine.expose_grads()
+    lin.weight.grad.data = torch.full((2, 3), 7.0)
+    assert lin.weight.main_grad.data_ptr() != engine._buffer_views[engine.params.index(lin.weight)].data_ptr()
+    engine.take_back_grads()
+    view = engine._buffer_views[engine.params.index(lin.weight)]
+    assert lin.weight.main_grad.data_ptr() == view.data_ptr() and torch.equal(view, torch.full((2, 3), 7.0))
+    lin(torch.ones(1, 3)).sum().backward()
+    engine.finish_grad_sync()
+    assert torch.equal(lin.weight.main_grad, torch.full((2, 3), 8.0))  # 7 kept, the new gradient (ones) added
+    engine.expose_grads()
+    lin.weight.grad.data = torch.full((2, 3), 5.0)
+    engine.zero_grad_buffer()
+    assert lin.weight.main_grad.data_ptr() == view.data_ptr() and not lin.weight.main_grad.any()

@@ -358,6 +358,64 @@ def test_on_after_backward_sees_and_changes_gradients_as_under_ddp(scale, accele
     assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5
 
 
+class _DataAssignProbe(GPTLightningModule):
+    """``on_after_backward`` replaces every gradient's storage: ``p.grad.data = p.grad.data * 0.5``."""
+
+    def on_after_backward(self) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.data = p.grad.data * 0.5
+
+
+class _BeforeBackwardProbe(GPTLightningModule):
+    """``on_before_backward`` counts the ``p.grad`` that are ``None`` and halves the others (the sum so far)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.none_seen = []
+
+    def on_before_backward(self, loss) -> None:
+        self.none_seen.append(sum(p.grad is None for p in self.parameters()))
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+
+
+class _SkipStepAccumulation(GPTLightningModule):
+    """Accumulation by hand: even batches run only the closure (no optimizer step) and only they zero."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx % 2 == 0:
+            optimizer_closure()
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        if batch_idx % 2 == 0:
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("case", ["data_assign", "before_backward", "skip_step_accumulation"])
+def test_gradient_edits_in_lightning_hooks_match_ddp(case):
+    """Three ways a LightningModule works on param.grad between backwards, each bit-identical to "ddp" (a review
+    in session 9 found each off): replacing a gradient's storage in on_after_backward (p.grad is main_grad there,
+    so `.data =` detached main_grad from the buffer: later gradients missed the zeroing and the all-reduce);
+    halving the sum so far in on_before_backward with accumulation 2 (p.grad was None there); accumulating by
+    skipping optimizer.step and zero_grad on odd batches (the strategy zeroed main_grad itself)."""
+    steps = 6
+    kw = {
+        "data_assign": dict(model_cls=_DataAssignProbe),
+        "before_backward": dict(model_cls=_BeforeBackwardProbe, accumulate_grad_batches=2),
+        "skip_step_accumulation": dict(model_cls=_SkipStepAccumulation),
+    }[case]
+    ref_model, ref, _, _ = _fit("ddp", steps, **kw)
+    model, rec, trainer, _ = _fit("cg", steps, **kw)
+    if case == "before_backward":
+        assert model.none_seen == ref_model.none_seen and 0 in model.none_seen  # grads present on micro-batch 2
+    assert rec.losses == ref.losses
+    assert state_rel_diff(model.state_dict(), ref_model.state_dict()) == 0.0
+
+
 class _LrRecorder(Callback):
     def __init__(self) -> None:
         self.lrs = []

@@ -34,6 +34,7 @@ from .errors import GradSyncError
 from .options import DDPOptions
 
 _MAIN_GRAD = operator.attrgetter("main_grad")
+_DATA_PTR = torch.Tensor.data_ptr
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -130,6 +131,10 @@ class DataParallelEngine(nn.Module):
         self._setup_types = [(p.dtype, p.device) for p in self.params]
         # expose_grads' fast path: the main_grad views as made here (checked by identity at every use)
         self._main_grads = [p.main_grad for p in self.params]
+        # the buffer views themselves (detached: they keep pointing into the buffer even if a main_grad's .data is
+        # swapped, e.g. by ``param.grad.data = x`` while param.grad aliases it); _reattach_main_grads restores them
+        self._buffer_views = [m.detach() for m in self._main_grads]
+        self._buffer_ptrs = [v.data_ptr() for v in self._buffer_views]
         self._main_grads_same_dtype = all(g.dtype is p.dtype for p, g in zip(self.params, self._main_grads))
         self.sync_enabled = True
         #: ``param.grad`` points at ``main_grad`` (:meth:`expose_grads`) and nothing has zeroed it since
@@ -443,6 +448,7 @@ class DataParallelEngine(nn.Module):
         """
         if not self.grads_exposed:
             return
+        self._reattach_main_grads(keep_values=True)
         with torch.no_grad():
             for p in self.params:
                 g = p.grad
@@ -457,10 +463,25 @@ class DataParallelEngine(nn.Module):
         """Zero every ``main_grad`` and drop ``param.grad`` (after the optimizer step)."""
         for buf in self.buffers_:
             buf.zero_()
+        self._reattach_main_grads(keep_values=False)
         for p in self.params:
             p.grad = None
             p.grad_added_to_main_grad = False
         self.grads_exposed = False
+
+    def _reattach_main_grads(self, keep_values: bool) -> None:
+        """Point every ``main_grad`` back into the gradient buffer if its storage was swapped (``param.grad.data =
+        x`` while ``param.grad`` is ``main_grad``), first copying its values there if ``keep_values``. Otherwise
+        the buffer that graphs add into, that is all-reduced and zeroed, would no longer be the one the hooks and
+        the optimizer see. One C-level pass over the data pointers in the usual case."""
+        if list(map(_DATA_PTR, self._main_grads)) == self._buffer_ptrs:
+            return
+        with torch.no_grad():
+            for main, view in zip(self._main_grads, self._buffer_views):
+                if main.data_ptr() != view.data_ptr():
+                    if keep_values:
+                        view.copy_(main)
+                    main.data = view
 
     def _broadcast_states(self) -> None:
         with torch.no_grad():
