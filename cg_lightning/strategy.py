@@ -204,9 +204,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             return
         if engine.sync_enabled:
             engine.finish_grad_sync()
-            engine.expose_grads()
-        elif engine.grads_alias_main_grad:
-            engine.expose_grads()
+        engine.expose_after_backward(completes_step=engine.sync_enabled)
 
     def optimizer_step(
         self,

@@ -432,12 +432,16 @@ def test_two_process_buffers_broadcast(tmp_path):
     assert out["cg"][0]["seen"] == out["cg"][1]["seen"]
 
 
-def _phase(cases, acc, raw, steps=4, seed=0):
+def _phase(cases, acc, raw, steps=4, seed=0, before_step=None):
+    """Prepare ``raw`` with SGD and train ``steps`` steps; ``before_step(step, model, optimizer)`` runs first in
+    every step. Returns the prepared model, the prepared optimizer and the losses."""
     optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(cases._data(4 * steps, seed=seed), batch_size=4)
     model, optimizer, loader = acc.prepare(raw, optimizer, loader)
     losses = []
-    for x, y in loader:
+    for step, (x, y) in enumerate(loader):
+        if before_step is not None:
+            before_step(step, model, optimizer)
         loss = cases._loss(model(x), y)
         acc.backward(loss)
         optimizer.step()
@@ -509,26 +513,20 @@ def test_a_backward_outside_accelerator_backward_mid_training_accumulates_as_pla
     blocks' share of those gradients was dropped (the replays add into main_grad, which never saw it; weights
     0.1 off), the eager layers' was kept. Losses and weights equal plain Accelerate, bit for bit."""
     cases = _cases()
+
+    def saliency(step, model, optimizer):
+        if step == 3:  # after capture (warmup 2)
+            xs, ys = cases._data(4, seed=9).tensors
+            cases._loss(acc.unwrap_model(model)(xs), ys).backward()
+            if zero_after:
+                optimizer.zero_grad()
+
     out = {}
     for kind in ("cg", "eager"):
         acc = cases._accelerator(kind, "cpu")
         torch.manual_seed(0)
         raw = cases.Net()
-        optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
-        loader = torch.utils.data.DataLoader(cases._data(4 * 6), batch_size=4)
-        model, optimizer, loader = acc.prepare(raw, optimizer, loader)
-        losses = []
-        for step, (x, y) in enumerate(loader):
-            if step == 3:  # after capture (warmup 2)
-                xs, ys = cases._data(4, seed=9).tensors
-                cases._loss(acc.unwrap_model(model)(xs), ys).backward()
-                if zero_after:
-                    optimizer.zero_grad()
-            loss = cases._loss(model(x), y)
-            acc.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(float(loss.detach()))
+        _, _, losses = _phase(cases, acc, raw, steps=6, before_step=saliency)
         out[kind] = (losses, {k: v.clone() for k, v in raw.state_dict().items()})
     assert out["cg"][0] == out["eager"][0]
     assert all(torch.equal(out["cg"][1][k], out["eager"][1][k]) for k in out["eager"][1])
@@ -549,3 +547,23 @@ def test_two_forwards_then_two_backwards_is_refused_naming_the_pattern(fresh_acc
                                             r"trigger_sync_in_backward example.*add the losses and run one backward"):
         with acc.trigger_sync_in_backward(model):
             acc.backward(loss_b)
+
+
+def test_end_training_keeps_exposed_gradients_and_none_as_plain(fresh_accelerate_state):
+    """end_training after a backward whose gradients were not zeroed: each param.grad keeps its values in a
+    tensor of its own (not the engine's buffer), and one the loop set to None stays None (a zero tensor would
+    make a plain optimizer step apply weight decay and momentum to it)."""
+    cases = _cases()
+    acc = cases._accelerator("cg", "cpu")
+    torch.manual_seed(0)
+    raw = cases.Net()
+    model, optimizer = acc.prepare(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+    x, y = cases._data(4).tensors
+    acc.backward(cases._loss(model(x), y))
+    expected = {n: p.grad.clone() for n, p in raw.named_parameters()}
+    raw.head.weight.grad = None
+    acc.end_training()
+    assert raw.head.weight.grad is None
+    for n, p in raw.named_parameters():
+        if n != "head.weight":
+            assert torch.equal(p.grad, expected[n]) and p.grad.data_ptr() != p.main_grad.data_ptr()

@@ -151,8 +151,7 @@ class GraphedDataParallel(DataParallelEngine):
         """
         if self.sync_enabled:
             self.finish_grad_sync()
-        if completes_step or self.grads_alias_main_grad:
-            self.expose_grads()
+        self.expose_after_backward(completes_step)
         self._step_backward_done = completes_step
         if completes_step:
             self.steps += 1
@@ -202,8 +201,10 @@ class GraphedDataParallel(DataParallelEngine):
         ``CUDAGraphAccelerator.free_memory`` and ``end_training``; the engine must not be used afterwards."""
         self.remove_graphs()
         if self.grads_exposed:
+            had_grad = [p.grad is not None for p in self.params]  # None stays None, as plain PyTorch leaves it
             self.take_back_grads()
-            for p in self.params:
-                p.grad = p.main_grad.detach().clone() if p.main_grad.dtype is p.dtype else p.main_grad.to(p.dtype)
+            for p, keep in zip(self.params, had_grad):
+                if keep:
+                    p.grad = p.main_grad.detach().clone() if p.main_grad.dtype is p.dtype else p.main_grad.to(p.dtype)
         self.close()
         self.module.__dict__.pop("_is_accelerate_prepared", None)

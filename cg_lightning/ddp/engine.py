@@ -430,12 +430,14 @@ class DataParallelEngine(nn.Module):
             g = p.main_grad
             p.grad = g if g.dtype is p.dtype else g.to(p.dtype)
 
-    @property
-    def grads_alias_main_grad(self) -> bool:
-        """Whether :meth:`expose_grads` makes every ``param.grad`` the ``main_grad`` tensor itself (the
-        gradient dtype is the parameters'), so that what a user does to ``param.grad`` between micro-batches
-        (clip, scale, zero, replace) can be carried back exactly by :meth:`take_back_grads`."""
-        return self._main_grads_same_dtype
+    def expose_after_backward(self, completes_step: bool) -> None:
+        """:meth:`expose_grads` after a backward: always on the micro-batch that completes an optimizer step; on
+        the others (the sum so far, as plain PyTorch holds it in ``param.grad``) only when ``param.grad`` is the
+        ``main_grad`` tensor itself (the gradient dtype is the parameters'), so that what a user does to it
+        before the next backward (clip, scale, zero, replace) can be carried back exactly by
+        :meth:`take_back_grads`; a cast copy could not be."""
+        if completes_step or self._main_grads_same_dtype:
+            self.expose_grads()
 
     def take_back_grads(self) -> None:
         """Before a backward, if gradients are still exposed: make ``main_grad`` what ``param.grad`` says now,
