@@ -7,13 +7,16 @@ steps on the same batches, with a synchronization after every step, and prints e
 difference from eager's. On the first step it also compares every parameter's gradient with eager's, so a
 gradient lost or changed inside a compiled graph shows up by name.
 
-Usage (repository root; CUDA for the CUDA-graph trees): ``python -m benchmarks.peer_losses --size tiny --steps 16``
+Usage (repository root; CUDA for the CUDA-graph trees): ``python -m benchmarks.peer_losses --size tiny --steps 16``;
+save the printed report as ``peer_losses_<size>_<gpu>_<yyyymmdd>.txt`` and ``--json`` as the same name with ``.json``
+(``benchmarks/README.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -82,7 +85,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     s = RunSettings(device=device, size_name=args.size, size=SIZES[args.size])
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    out: Dict[str, Dict[str, List[float]]] = {}
+    from benchmarks import report
+
+    env = report.environment(device)
+    command = " ".join(["python", "-m", "benchmarks.peer_losses", *(sys.argv[1:] if argv is None else argv)])
+    print(f"# {report.stamp(env)}\n# command: {command}")
+    out: Dict[str, object] = {"run": {"stamp": report.stamp(env), "command": command, "environment": env}}
     for precision in args.precision:
         bf16 = precision == "bf16-mixed"
         runs = {mode: _run(mode, s, args.steps, bf16) for mode in args.modes}

@@ -62,9 +62,34 @@ def environment(device: torch.device) -> Dict[str, Any]:
     }
 
 
+def gpu_slug(name: Optional[str], count: int = 1) -> str:
+    """The ``<gpu>`` part of a result's file name: ``"NVIDIA H200"`` -> ``H200``, two of them ``H200x2``; no GPU:
+    ``cpu``."""
+    if not name:
+        return "cpu"
+    slug = re.sub(r"^(NVIDIA|AMD)\s+", "", name.strip())
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", slug).strip("-") or "gpu"
+    return slug + (f"x{count}" if count > 1 else "")
+
+
+def stamp(env: Dict[str, Any]) -> str:
+    """One line with what a result file must carry: date, device, library versions, the commit measured."""
+    cg = env["cg_lightning"]
+    commit = (cg["commit"] or "unknown")[:12] + (" (uncommitted changes)" if cg.get("dirty") else "")
+    return (f"{env['date']}; {env['gpu'] or env['device']}; torch {env['torch']}; Lightning {env['lightning']}; "
+            f"Python {env['python']}; cg_lightning at {commit}")
+
+
 def machine_slug(env: Dict[str, Any]) -> str:
-    name = env.get("gpu") or env.get("device") or "unknown"
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_")
+    return gpu_slug(env.get("gpu"))
+
+
+def result_name(what: str, size: str, gpu: str, ext: str = "", date: Optional[str] = None) -> str:
+    """``<what>_<size>_<gpu>_<yyyymmdd>[.<ext>]``, the naming rule of ``benchmarks/results/`` (see
+    ``benchmarks/README.md``). ``date``: ISO date or date-time (default: today, UTC)."""
+    day = (date or datetime.now(timezone.utc).isoformat())[:10].replace("-", "")
+    stem = "_".join(part.replace("_", "-") if i else part for i, part in enumerate((what, size, gpu)))
+    return f"{stem}_{day}" + (f".{ext.lstrip('.')}" if ext else "")
 
 
 # ----------------------------------------------------------------------------- ratios
@@ -112,6 +137,10 @@ def size_label(name: str, cfg: Dict[str, int]) -> str:
     )
 
 
+def command_line(doc: Dict[str, Any]) -> str:
+    return " ".join(["python", "-m", f"benchmarks.{doc.get('benchmark', 'step_time')}", *doc.get("argv", [])])
+
+
 def markdown(doc: Dict[str, Any]) -> str:
     env, st = doc["environment"], doc["settings"]
     cg = env["cg_lightning"]
@@ -124,6 +153,7 @@ def markdown(doc: Dict[str, Any]) -> str:
         + (f" ({env['gpu_memory_gib']} GiB)" if env.get("gpu_memory_gib") else "")
         + f"; torch {env['torch']} (CUDA {env['cuda']}); Lightning {env['lightning']}; "
         f"cg_lightning {cg['version']} at {commit}; Python {env['python']}",
+        f"- command: `{command_line(doc)}`",
         f"- every peer: `examples.gpt.GPT`, vocab {st['vocab_size']}, random tokens (seed {st['seed']}, "
         f"{st['data_batches']} batches cycled), {st['precision']}, {st['optimizer']}",
         f"- timing: median of {st['repeats']} windows of {st['steps']} steps after {st['warmup']} warmup steps, "
@@ -217,3 +247,30 @@ def write_png(doc: Dict[str, Any], path: str) -> Optional[str]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m benchmarks.report name WHAT SIZE EXT [--gpus N]`` prints a result file name by the rule, for the
+    GPU visible here (``cpu`` without one); the shell scripts in ``scripts/`` name their outputs with it."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=main.__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    name = sub.add_parser("name", help="print <what>_<size>_<gpu>_<yyyymmdd>.<ext>")
+    name.add_argument("what")
+    name.add_argument("size")
+    name.add_argument("ext")
+    name.add_argument("--gpus", type=int, default=1, help="GPUs the result was measured on (default 1)")
+    sub.add_parser("stamp", help="print one line: date, GPU, torch, Lightning, Python, cg_lightning commit")
+    a = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if a.cmd == "stamp":
+        print(stamp(environment(torch.device("cuda", 0) if cuda else torch.device("cpu"))))
+        return 0
+    gpu = torch.cuda.get_device_name(0) if cuda else None
+    print(result_name(a.what, a.size, gpu_slug(gpu, a.gpus), a.ext))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

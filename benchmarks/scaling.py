@@ -2,12 +2,13 @@
 
 On a machine with 2 GPUs, from the repository root::
 
-    python benchmarks/scaling.py --size tiny --strategy cudagraph_ddp --devices 2 --out benchmarks/results/scaling.jsonl
+    python benchmarks/scaling.py --size tiny --strategy cudagraph_ddp --devices 2
 
 Weak scaling: every rank trains on its own batch of ``B`` sequences per step (the benchmark's random-token
 batches, bf16-mixed, fused AdamW), so tokens per second on N GPUs is ``N * B * T / step time``. Rank 0 times
 ``--repeats`` windows of ``--steps`` steps after ``--warmup`` and appends one JSON line (median ms/step,
-tokens/s) to ``--out``. ``python benchmarks/scaling.py --report FILE.jsonl`` prints a Markdown table with
+tokens/s, versions, commit, command) to ``--out`` (default ``benchmarks/results/scaling_<size>_<gpu>_<yyyymmdd>.jsonl``,
+``<gpu>`` as ``H200x2`` on a machine with two). ``python benchmarks/scaling.py --report FILE.jsonl`` prints a Markdown table with
 weak-scaling efficiency (tokens/s on N GPUs over N times that on 1 GPU).
 """
 
@@ -23,9 +24,11 @@ import warnings
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import lightning
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
+from benchmarks import report
 from benchmarks.common import SIZES, VOCAB_SIZE, BatchDataset, RunSettings, make_batches
 
 
@@ -58,8 +61,12 @@ def _measure(a) -> None:
         tokens = a.devices * s.size["batch_size"] * s.size["block_size"]
         row = dict(size=a.size, strategy=a.strategy, devices=a.devices, ms_per_step=med, min_ms=min(ms),
                    max_ms=max(ms), tokens_per_s=tokens / (med / 1000), gpu=torch.cuda.get_device_name(),
-                   torch=torch.__version__)
-        with open(a.out, "a") as f:
+                   torch=torch.__version__, lightning=lightning.__version__,
+                   commit=(report.environment(torch.device("cuda"))["cg_lightning"]["commit"] or "unknown")[:12],
+                   command=" ".join(["python", "benchmarks/scaling.py", *a.argv]))
+        out = a.out or os.path.join(report.ROOT, "benchmarks", "results", report.result_name(
+            "scaling", a.size, report.gpu_slug(torch.cuda.get_device_name(), torch.cuda.device_count()), "jsonl"))
+        with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row))
 
@@ -85,9 +92,11 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join("benchmarks", "results", "scaling.jsonl"))
+    ap.add_argument("--out", default=None, help="JSON-lines file to append to (default: named by the rule of "
+                    "benchmarks/README.md in benchmarks/results/)")
     ap.add_argument("--report", default=None, metavar="FILE", help="print the table of a results file and exit")
     a = ap.parse_args(argv)
+    a.argv = sys.argv[1:] if argv is None else list(argv)
     if a.report:
         _report(a.report)
     else:

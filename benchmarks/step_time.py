@@ -23,8 +23,9 @@ Peers (same GPT, random-token data, bf16 autocast over fp32 weights, AdamW(fused
 Each peer runs ``--warmup`` steps, then ``--repeats`` windows of ``--steps`` steps; the device is synchronized at
 window boundaries only. Reported per size and peer: median ms/step, min/max over the windows, ratios to
 ``lightning_ddp`` and to ``whole_step_graph``, peak memory, capture/compile time and the last loss. A peer that
-fails becomes an error row; peers that need CUDA are skipped on a CPU. Output: ``step_time_<GPU>_<sizes>`` as
-``.json``, ``.md`` and ``.png`` (when matplotlib is installed) in ``--out``.
+fails becomes an error row; peers that need CUDA are skipped on a CPU. Output:
+``step_time_<sizes>_<gpu>_<yyyymmdd>`` (``benchmarks/README.md``) as ``.json``, ``.md`` and ``.png`` (when
+matplotlib is installed) in ``--out``.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="cudagraph_ddp: eager steps before capture, graphs.warmup_steps (default 2; smoke 1)")
     ap.add_argument("--out", default=os.path.join(report.ROOT, "benchmarks", "results"),
                     help="output folder (default benchmarks/results)")
-    ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument("--tag", default="", help="variant of the run, put after step_time in the file names")
     ap.add_argument("--no-png", action="store_true", help="do not draw the bar chart")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the code paths: tiny size shrunk further, 2 timed steps a peer; "
@@ -243,13 +244,8 @@ def main(argv=None) -> int:
         "results": rows,
     }
     os.makedirs(a.out, exist_ok=True)
-    if a.smoke:
-        stem = f"step_time_smoke_{device.type}"
-    else:
-        stem = f"step_time_{report.machine_slug(env)}_{'-'.join(a.sizes)}"
-    if a.tag:
-        stem += f"_{a.tag}"
-    stem = os.path.join(a.out, stem)
+    what = "step_time" + (f"-{a.tag}" if a.tag else "")
+    stem = os.path.join(a.out, report.result_name(what, "-".join(a.sizes), report.machine_slug(env), date=env["date"]))
     report.write_json(doc, stem + ".json")
     text = report.markdown(doc)
     with open(stem + ".md", "w") as f:

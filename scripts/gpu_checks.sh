@@ -4,6 +4,8 @@
 #   tests: the cuda-marked tests;  bench: benchmarks/step_time.py, every peer at the tiny, small and compute sizes;
 #   main: the main job on configs/gpt_small.yaml (main_steps steps, default 200);  accelerate: examples/train_accelerate.py on 1 GPU, real graphs
 #   against the eager Accelerate run (fp32 and bf16, 2 micro-batches per step);  all: tests, bench, main.
+# Results in OUTDIR: cuda_tests_all_<gpu>_<date>.log, step_time_<sizes>_<gpu>_<date>.{md,json,png},
+# main_job_small_<gpu>_<date>.csv, accelerate_parity_small_<gpu>_<date>.md (the rule of benchmarks/README.md).
 # Wheels for packages the GPU image lacks (omegaconf) may lie in .whl/ and are installed to /tmp/site.
 set -uo pipefail
 out=${1:-/tmp/gpu_checks}; what=${2:-all}; small_steps=${3:-200}
@@ -18,9 +20,15 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi -L; python3 -c 'import torch, lightning; print("torch", torch.__version__, "lightning", lightning.__version__)'
+# Result files are named <what>_<size>_<gpu>_<yyyymmdd>.<ext> and start with the run's stamp (benchmarks/README.md).
+name() { python3 -m benchmarks.report name "$@"; }
+stamp=$(python3 -m benchmarks.report stamp)
+ngpu=$(nvidia-smi -L | wc -l)
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -m cuda -q -s -p no:cacheprovider tests 2>&1 | tee "$out/cuda_tests.log" \
+  log="$out/$(name cuda_tests all log --gpus "$ngpu")"
+  echo "# $stamp; command: python3 -m pytest -m cuda -q -s -p no:cacheprovider tests" > "$log"
+  python3 -m pytest -m cuda -q -s -p no:cacheprovider tests 2>&1 | tee -a "$log" \
     | grep -E "diff|MiB|passed|failed|Error|error|FAILED" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
@@ -31,7 +39,9 @@ if [ "$what" = main ] || [ "$what" = all ]; then
   python3 -m cg_lightning fit --config configs/gpt_small.yaml trainer.max_steps="$small_steps" \
     trainer.default_root_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 | tee "$out/main_small.log" | tail -5 || status=1
   metrics=$(ls "$out"/runs/*/version_*/metrics.csv "$out"/runs/version_*/metrics.csv 2>/dev/null | head -1)
-  [ -n "$metrics" ] && cp "$metrics" "$out/main_small_metrics.csv" && python3 - "$metrics" <<'PY'
+  [ -n "$metrics" ] && { echo "# $stamp; command: python3 -m cg_lightning fit --config configs/gpt_small.yaml" \
+    "trainer.max_steps=$small_steps; read with pandas.read_csv(path, comment='#')"; cat "$metrics"; } \
+    > "$out/$(name main_job small csv)" && python3 - "$metrics" <<'PY'
 import csv, sys
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r.get("train_loss")]
 print("main job train_loss: first", rows[0]["train_loss"], "last", rows[-1]["train_loss"], "rows", len(rows))
@@ -46,7 +56,12 @@ if [ "$what" = accelerate ]; then
         | tee "$out/acc_${mp}_$mode.log" | tail -3 || status=1
     done
   done
-  python3 scripts/accelerate_report.py "$out/accelerate_1gpu.md" "$out"/acc_no_eager.pt "$out"/acc_no_graphs.pt \
+  rep="$out/$(name accelerate_parity small md)"
+  python3 scripts/accelerate_report.py "$rep" "$out"/acc_no_eager.pt "$out"/acc_no_graphs.pt \
     "$out"/acc_bf16_eager.pt "$out"/acc_bf16_graphs.pt || status=1
+  if [ -f "$rep" ]; then
+    body=$(cat "$rep")
+    printf '%s\n\n%s\n' "# Accelerate, graphs against eager: $stamp; command: python3 $A" "$body" > "$rep"
+  fi
 fi
 exit $status

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Two-GPU (NCCL) parity, failure and scaling checks for issue 9, on the nvidia-h200-x2 machine, repo root:
+# Two-GPU (NCCL) parity, failure and scaling checks, on the nvidia-h200-x2 machine, repo root:
 #   bash scripts/multi_gpu_checks.sh WORKDIR [REPORTDIR] [sections...]
 # sections (default: all, in this order): small models engine scaling accelerate
 #   repeat      the 2-GPU parity test's GPT (12 layers, d=256, T=128, fp32, 50 steps): each strategy twice, our
 #               engine without graphs, graphs with CUDA_LAUNCH_BLOCKING=1 (no stream overlap) and both with
 #               deterministic kernels: tells kernel noise, stream races and engine errors apart
-#   bf16diag    small GPT, bf16-mixed, 50 steps, fused kernels: why cudagraph_ddp leaves "ddp" by ~1e-2 here
-#               (session 4) while it equals it bit for bit with deterministic kernels: pairs with a fixed cuBLAS
+#   bf16diag    small GPT, bf16-mixed, 50 steps, fused kernels: why cudagraph_ddp can leave "ddp" by ~1e-2 here
+#               while it equals it bit for bit with deterministic kernels: pairs with a fixed cuBLAS
 #               workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), with math, flash or cuDNN attention only (cu13
 #               builds enable cuDNN attention by default, and it has known CUDA-graph capture restrictions)
 #   bf16noise   small GPT, bf16-mixed, 50 steps, flash attention: two runs of each strategy (run-to-run spread of
@@ -19,8 +19,8 @@
 #               (default ddp cudagraph_ddp), 1 and 2 GPUs
 #   accelerate  examples/train_accelerate.py on 1 GPU, fp32, graphs against eager, per-tensor report
 # SKIP_DDP_REPEAT=1 leaves out the "ddp" repeat run of the small section.
-# Runs and logs go to WORKDIR; REPORTDIR (default WORKDIR) gets report.md and scaling.jsonl only, written as
-# each section ends. BUDGET_S (default 540) bounds the whole script: a run that would pass it is skipped.
+# Runs and logs go to WORKDIR; REPORTDIR (default WORKDIR) gets multi_gpu_checks_all_<gpu>x2_<date>.md and
+# scaling_<sizes>_<gpu>x2_<date>.jsonl only (the naming rule of benchmarks/README.md), written as each section ends. BUDGET_S (default 540) bounds the whole script: a run that would pass it is skipped.
 # Leaves NCCL_NVLS_ENABLE and the other machine settings as they are.
 set -uo pipefail
 work=${1:-/tmp/mgpu}; rep=${2:-$work}; shift 2 2>/dev/null || shift $#
@@ -30,7 +30,11 @@ deadline=$(( $(date +%s) + ${BUDGET_S:-540} ))
 left() { echo $(( deadline - $(date +%s) )); }
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
-report=$rep/report.md
+name() { python3 -m benchmarks.report name "$@"; }
+report=$rep/$(name multi_gpu_checks all md --gpus 2)
+scaling_sizes=${SCALING_SIZES:-tiny small}
+scaling=$rep/$(name scaling "${scaling_sizes// /-}" jsonl --gpus 2)
+echo "# $(python3 -m benchmarks.report stamp); command: bash scripts/multi_gpu_checks.sh WORKDIR REPORTDIR $sections" | tee -a "$report"
 python3 -c 'import torch; print("GPUs", torch.cuda.device_count(), torch.cuda.get_device_name(), torch.__version__)' \
   | tee -a "$report"
 P=tests/scripts/train_parity.py
@@ -140,17 +144,17 @@ for r in (0, 1):
 PY
     done ;;
   scaling)
-    for size in ${SCALING_SIZES:-tiny small}; do
+    for size in $scaling_sizes; do
       for strat in ${SCALING_STRATEGIES:-ddp cudagraph_ddp}; do
         for n in 1 2; do
           [ "$(left)" -lt 60 ] && { echo "SKIPPED scaling $size $strat $n (budget)" | tee -a "$report"; continue; }
           timeout 120 python3 benchmarks/scaling.py --size $size --strategy $strat --devices $n --steps 20 --repeats 3 \
-            --out "$rep/scaling.jsonl" > "$work/scaling_${size}_${strat}_$n.log" 2>&1 \
+            --out "$scaling" > "$work/scaling_${size}_${strat}_$n.log" 2>&1 \
             || { echo "FAILED scaling $size $strat $n"; tail -3 "$work/scaling_${size}_${strat}_$n.log"; } | tee -a "$report"
         done
       done
     done
-    [ -f "$rep/scaling.jsonl" ] && python3 benchmarks/scaling.py --report "$rep/scaling.jsonl" | tee -a "$report" ;;
+    [ -f "$scaling" ] && python3 benchmarks/scaling.py --report "$scaling" | tee -a "$report" ;;
   accelerate)
     A="examples/train_accelerate.py --config configs/gpt_small.yaml --max-steps 20 --gradient-accumulation-steps 2"
     for mode in eager graphs; do

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,16 @@ from tests.helpers import _DIST_VARS, ROOT
 CPU_PEERS = ("lightning_ddp", "torch_ddp", "cudagraph_ddp", "cudagraph_ddp_layers", "cudagraph_ddp_nocache",
              "cudagraph_ddp_opt", "cudagraph_ddp_glue", "cudagraph_ddp_head")
 CUDA_PEERS = ("torch_ddp_graphed", "compile_reduce_overhead", "whole_step_graph")
+RESULT_NAME = re.compile(r"^(?P<what>[a-z0-9_-]+)_(?P<size>[a-z0-9-]+)_(?P<gpu>[A-Za-z0-9.]+)_(?P<date>\d{8})$")
+
+
+def _result_stem(folder, what: str, size: str) -> str:
+    """The one JSON result in ``folder``, named ``<what>_<size>_<gpu>_<yyyymmdd>`` (benchmarks/README.md)."""
+    stems = sorted(p.stem for p in folder.glob("*.json"))
+    assert len(stems) == 1, stems
+    m = RESULT_NAME.match(stems[0])
+    assert m and (m["what"], m["size"], m["gpu"]) == (what, size, "cpu"), stems[0]
+    return stems[0]
 
 
 @pytest.mark.timeout(180)
@@ -36,7 +47,8 @@ def test_smoke_run_writes_a_row_per_peer(tmp_path):
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         raise AssertionError(f"smoke run stalled:\n{out[-2000:]}\n{err[-6000:]}") from exc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "step_time_smoke_cpu.json").read_text())
+    stem = _result_stem(tmp_path, "step_time", "tiny-smoke")
+    doc = json.loads((tmp_path / f"{stem}.json").read_text())
 
     assert [r["peer"] for r in doc["results"]] == list(PEER_NAMES)  # one row per peer, in run order
     assert {r["size"] for r in doc["results"]} == {"tiny_smoke"}
@@ -65,12 +77,13 @@ def test_smoke_run_writes_a_row_per_peer(tmp_path):
         assert env_doc[key], key
     assert "commit" in env_doc["cg_lightning"]
 
-    md = (tmp_path / "step_time_smoke_cpu.md").read_text()
+    md = (tmp_path / f"{stem}.md").read_text()
     for name in PEER_NAMES:
         assert f"| {name} |" in md
     assert "skipped: needs CUDA" in md
     has_mpl = importlib.util.find_spec("matplotlib") is not None
-    assert (tmp_path / "step_time_smoke_cpu.png").exists() == has_mpl
+    assert "- command: `python -m benchmarks.step_time --smoke --out " in md
+    assert (tmp_path / f"{stem}.png").exists() == has_mpl
 
 
 def test_failing_peer_is_an_error_row(tmp_path, monkeypatch):
@@ -85,13 +98,14 @@ def test_failing_peer_is_an_error_row(tmp_path, monkeypatch):
         ["--smoke", "--peers", "torch_ddp,whole_step_graph", "--no-png", "--tag", "t", "--out", str(tmp_path)]
     )
     assert rc == 0
-    doc = json.loads((tmp_path / "step_time_smoke_cpu_t.json").read_text())
+    stem = _result_stem(tmp_path, "step_time-t", "tiny-smoke")
+    doc = json.loads((tmp_path / f"{stem}.json").read_text())
     rows = {r["peer"]: r for r in doc["results"]}
     assert list(rows) == ["torch_ddp", "whole_step_graph"]
     assert rows["torch_ddp"]["status"] == "error"
     assert "peer broke on purpose" in rows["torch_ddp"]["reason"] and "Traceback" in rows["torch_ddp"]["traceback"]
     assert rows["whole_step_graph"]["status"] == "skipped"
-    assert "error: RuntimeError: peer broke on purpose" in (tmp_path / "step_time_smoke_cpu_t.md").read_text()
+    assert "error: RuntimeError: peer broke on purpose" in (tmp_path / f"{stem}.md").read_text()
 
 
 def test_unknown_peer_or_size_is_refused():
@@ -109,12 +123,12 @@ def test_unknown_peer_or_size_is_refused():
 
 
 def test_trace_gaps_reads_busy_idle_and_what_ended_each_gap(tmp_path):
-    """benchmarks.trace_gaps on a hand-made Chrome trace: merged busy time over two streams, the idle gap
+    """benchmarks.diagnostics.trace_gaps on a hand-made Chrome trace: merged busy time over two streams, the idle gap
     attributed to the host operator whose launch ended it, a blocking synchronize listed with its operator, and
     ``after_kernel`` dropping everything up to the end of a marker kernel."""
     import json
 
-    from benchmarks.trace_gaps import analyse
+    from benchmarks.diagnostics.trace_gaps import analyse
 
     ev = [
         {"ph": "X", "cat": "cpu_op", "name": "outer", "ts": 0, "dur": 200, "tid": 1},
@@ -163,16 +177,17 @@ def test_peer_losses_compares_losses_and_names_a_lost_gradient():
 
 @pytest.mark.timeout(180)
 def test_accumulator_stream_experiment_runs_the_patched_engine(tmp_path):
-    """benchmarks.accumulator_stream swaps the strategy's engine and runs step_time (smoke, CPU): the peer gets
+    """benchmarks.diagnostics.accumulator_stream swaps the strategy's engine and runs step_time (smoke, CPU): the peer gets
     an ok row and the glue parameters (5 at this size: embeddings, final norm, head) are the ones rebound."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.accumulator_stream", "--binding", "glue-current", "--", "--smoke",
+        [sys.executable, "-m", "benchmarks.diagnostics.accumulator_stream", "--binding", "glue-current", "--", "--smoke",
          "--peers", "cudagraph_ddp", "--no-png", "--out", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=150,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "accumulator_stream: 5 parameter(s) outside the blocks on the current stream" in proc.stdout
     assert "accumulator_stream: binding glue-current: stream-mismatch warning not seen" in proc.stdout
-    row = json.loads((tmp_path / "step_time_smoke_cpu.json").read_text())["results"][0]
+    stem = _result_stem(tmp_path, "step_time", "tiny-smoke")
+    row = json.loads((tmp_path / f"{stem}.json").read_text())["results"][0]
     assert row["peer"] == "cudagraph_ddp" and row["status"].startswith("ok")

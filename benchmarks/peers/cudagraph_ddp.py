@@ -18,8 +18,8 @@ from benchmarks.peers import Peer
 GLUE_LAYERS = ["model.tok_emb", "model.pos_emb", "model.blocks.*", "model.ln_f", "model.lm_head"]
 HEAD_LAYERS = ["model.blocks.*", "model.ln_f", "model.lm_head"]
 
-# the graphs options of each peer beyond the defaults (also what benchmarks.profile_step, host_phases and
-# device_work build the strategy from)
+# the graphs options of each peer beyond the defaults (also what benchmarks.diagnostics.profile_step,
+# host_phases and device_work build the strategy from)
 _OFF = {"segments": False, "direct_grad_ready": False, "cached_optimizer_step": False}
 GRAPHS_OF = {
     "cudagraph_ddp": {},
