@@ -215,9 +215,8 @@ def test_loss_backward_instead_of_accelerator_backward_is_an_error(fresh_acceler
 
 def test_forward_of_the_unwrapped_model_is_an_error(fresh_accelerate_state):
     """A forward through ``accelerator.unwrap_model(model)`` bypasses the engine: its hooks put the gradients
-    into main_grad, but nothing finishes the sync or exposes ``param.grad``, so ``optimizer.step()`` changed
-    nothing (found by a review helper in session 5: weights 0.16 off Accelerate, no error). Now
-    ``accelerator.backward`` says so."""
+    into main_grad, but nothing finishes the sync or exposes ``param.grad``, so ``optimizer.step()`` would change
+    nothing (the weights would end 0.16 off Accelerate's, silently). ``accelerator.backward`` says so."""
     from cg_lightning.accelerate import CUDAGraphAccelerator
 
     accelerator = CUDAGraphAccelerator(cpu=True, graphs={"enabled": False})

@@ -1,8 +1,8 @@
 """Backward passes a captured backward cannot serve: ``torch.autograd.grad`` (or ``backward(inputs=...)``)
 through a graphed layer whose graph adds weight gradients into ``main_grad``, and a second backward through
 the same call (``retain_graph=True``). Both stop with an error naming the layer, before the graph runs (the
-first) or before it runs twice (the second). Found by a review helper in session 5: the first trained
-silently off eager on a GPU and failed with ``TypeError: 'NoneType' object is not iterable`` on CPU."""
+first) or before it runs twice (the second). Unchecked, the first would train silently off eager on a GPU
+and fail with ``TypeError: 'NoneType' object is not iterable`` on CPU."""
 
 import pytest
 import torch

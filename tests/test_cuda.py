@@ -48,7 +48,7 @@ def test_cuda_parity_bf16_mixed_50_steps():
 
 
 def test_cuda_tied_weights_recomputed_loss_accumulation():
-    """Issue 3 on the GPU: tied embedding/output weight, loss under recomputation, accumulate 4, real graphs,
+    """On the GPU: tied embedding/output weight, loss under recomputation, accumulate 4, real graphs,
     fp32: per-step losses and final weights equal plain PyTorch trained eagerly on the same batches with the
     same recomputation within 1e-5 (torch DDP cannot run this model with accumulation, see
     tests/test_strategy.py); the tied weight reports ready twice in every iteration."""
@@ -123,11 +123,11 @@ def _two_gpu_pair(tmp_path, common, *cg_args):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h200-x2)")
 @pytest.mark.parametrize("precision,deterministic,tol", [("32-true", True, 1e-6), ("bf16-mixed", False, 1e-2)])
 def test_two_gpu_nccl_parity(tmp_path, precision, deterministic, tol):
-    """Issue 9: 2 GPUs over NCCL, real graphs, a 12-layer GPT (d=256, T=128: several buckets, so all-reduces
+    """2 GPUs over NCCL, real graphs, a 12-layer GPT (d=256, T=128: several buckets, so all-reduces
     are issued from grad-ready hooks while the backward still runs), 50 steps against Lightning "ddp".
 
     fp32 runs both strategies with deterministic kernels (``--deterministic``: math attention), because the
-    fused attention backward is not repeatable: on an H200 (session 4) two Lightning "ddp" runs with the same
+    fused attention backward is not repeatable: on an H200 two Lightning "ddp" runs with the same
     seed differed by 9.9e-5 in loss and 2.4e-2 in blocks.0.qkv.weight, while cudagraph_ddp reproduced
     itself and one of those two runs bit for bit. With deterministic kernels the two strategies are equal
     (measured: 0 and 0), hence the 1e-6 bound. bf16-mixed keeps the fused kernels."""
@@ -149,14 +149,14 @@ def test_two_gpu_nccl_parity(tmp_path, precision, deterministic, tol):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h200-x2)")
 @pytest.mark.parametrize("precision,kernels", [("32-true", "--deterministic"), ("bf16-mixed", "--sdpa=math")])
 def test_two_gpu_small_gpt_parity(tmp_path, precision, kernels):
-    """Issue 9 at the small size (12 layers, d=768, T=512, B=8), 50 steps on 2 GPUs over NCCL against Lightning
+    """2 GPUs at the small size (12 layers, d=768, T=512, B=8), 50 steps on 2 GPUs over NCCL against Lightning
     "ddp": losses and final weights equal within 1e-6, in fp32 and in bf16-mixed.
 
     Attention runs without atomics in both strategies (math attention; fp32 also with deterministic
     algorithms), because the fused attention backwards accumulate dQ with atomics and are not repeatable:
     in bf16-mixed, two Lightning "ddp" runs with flash attention and the same seed differed by 3.9e-2 in loss
     after 50 steps, each about 0.4 from the math-attention run, and cudagraph_ddp was no farther from
-    either "ddp" run than they were from each other (benchmarks/results/bf16_attention_2gpu_small_H200x2.md).
+    either "ddp" run than they were from each other (docs/benchmarks.md, "Two GPUs").
     With math attention the strategies are equal bit for bit (measured on 2 H200: 0 and 0)."""
 
     common = ["--accelerator", "gpu", "--devices", "2", "--backend", "cuda", "--precision", precision, "--steps", "50",

@@ -1,5 +1,5 @@
 """``graphs.direct_grad_ready``: replays report the parameters only they reach, without autograd edges
-(issue 8 lever), against Lightning "ddp" and against the same run with edges. Eager graph backend on CPU:
+against Lightning "ddp" and against the same run with edges. Eager graph backend on CPU:
 the edge bookkeeping, the confirmation on the autograd graph and the grad-ready counts are the same code
 as on a GPU; the cuda test checks real graphs."""
 
@@ -213,10 +213,11 @@ class _Wrapper:
 
 @pytest.mark.parametrize("depth", [1, 5, 20])
 def test_confirming_walk_survives_reused_node_wrapper_ids(depth):
-    """On the H200 (session 5) the walk from the loss confirmed 0 of 48 candidates: it marked nodes as seen by
-    the id of their Python wrapper, and a freed wrapper's id came back for another node, which was then
-    skipped. Here a chain of ``depth`` nodes with side branches leads to the replay node; the walk must find
-    the parameter behind it (without the fix: found at depth 1 and 2, lost from depth 5 on)."""
+    """torch creates a node's Python wrapper on each ``next_functions`` access and frees it when dropped, so a
+    walk that marks nodes as seen by the wrapper's id can meet a freed id again for another node and skip it
+    (on an H200 such a walk confirmed 0 of 48 candidates). Here a chain of ``depth`` nodes with side branches
+    leads to the replay node; the walk must find the parameter behind it (an id-marking walk finds it at
+    depth 1 and 2 and loses it from depth 5 on)."""
     from cg_lightning.graphs import direct_ready
 
     runner = object()

@@ -1,4 +1,4 @@
-"""``graphs.capture_eval``: forward-only graphs for graphed layers in eval mode (issue 6, item 3), against
+"""``graphs.capture_eval``: forward-only graphs for graphed layers in eval mode, against
 Lightning "ddp" on the same seed and data (eager graph backend on CPU, real graphs on the GPU machine)."""
 
 from __future__ import annotations

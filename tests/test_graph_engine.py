@@ -362,7 +362,7 @@ def test_hooks_on_submodules_are_refused_at_capture():
 def test_gradient_hooks_on_parameters_of_a_graphed_layer_are_refused_before_warmup(kind):
     """A gradient hook on a graphed layer's parameter cannot run at replay (the gradient is computed inside the
     graph): refused by name before the warmup passes, instead of the hook receiving None during capture (a
-    TypeError inside the user's hook) or silently no longer firing after capture."""
+    TypeError inside the user's hook) or silently not firing after capture."""
     from cg_lightning import GraphCaptureError
 
     model = em.Stack(em.SeedLayer, 16, 1, recompute=False)

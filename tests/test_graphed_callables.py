@@ -241,7 +241,7 @@ def test_wrong_sample_shape_names_the_callable():
 
 def test_torch_positional_signature_is_accepted():
     """``make_graphed_callables(callables, sample_args, num_warmup_iters, allow_unused_input, pool)`` as torch
-    spells it (found by a review helper in session 5: TypeError); an unused input gets a ``None`` gradient."""
+    spells it (positionally, not only by keyword); an unused input gets a ``None`` gradient."""
     torch.manual_seed(0)
 
     class IgnoresSecond(torch.nn.Module):

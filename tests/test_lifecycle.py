@@ -1,4 +1,4 @@
-"""Lightning features under ``strategy="cudagraph_ddp"`` against Lightning's ``"ddp"`` (issue 6, items 1-3).
+"""Lightning features under ``strategy="cudagraph_ddp"`` against Lightning's ``"ddp"``.
 
 Precision plugins, gradient clipping, LR schedulers, parameter groups, gradient accumulation, validation
 during fit, the sanity check and ``trainer.validate/test/predict`` after fit: each run twice from the same
@@ -397,11 +397,11 @@ class _SkipStepAccumulation(GPTLightningModule):
 
 @pytest.mark.parametrize("case", ["data_assign", "before_backward", "skip_step_accumulation"])
 def test_gradient_edits_in_lightning_hooks_match_ddp(case):
-    """Three ways a LightningModule works on param.grad between backwards, each bit-identical to "ddp" (a review
-    in session 9 found each off): replacing a gradient's storage in on_after_backward (p.grad is main_grad there,
-    so `.data =` detached main_grad from the buffer: later gradients missed the zeroing and the all-reduce);
-    halving the sum so far in on_before_backward with accumulation 2 (p.grad was None there); accumulating by
-    skipping optimizer.step and zero_grad on odd batches (the strategy zeroed main_grad itself)."""
+    """Three ways a LightningModule works on param.grad between backwards, each bit-identical to "ddp":
+    replacing a gradient's storage in on_after_backward (p.grad is main_grad there, so `.data =` must not detach
+    main_grad from the buffer, or later gradients miss the zeroing and the all-reduce); halving the sum so far
+    in on_before_backward with accumulation 2 (p.grad must hold that sum there); accumulating by skipping
+    optimizer.step and zero_grad on odd batches (main_grad must keep the skipped batch's gradient)."""
     steps = 6
     kw = {
         "data_assign": dict(model_cls=_DataAssignProbe),

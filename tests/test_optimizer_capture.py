@@ -1,4 +1,4 @@
-"""``graphs.capture_optimizer``: the optimizer step replayed from a graph (issue 8 lever), against Lightning
+"""``graphs.capture_optimizer``: the optimizer step replayed from a graph, against Lightning
 ``"ddp"`` on the same seed and data. On CPU the eager graph backend runs the step again at every "replay", so
 these tests check the bookkeeping (learning-rate tensors under a scheduler, clipping order, the checks that
 give up, checkpoints); the ``cuda`` ones check real capture on the GPU machine."""
@@ -315,7 +315,7 @@ class _SkipOddSteps(GPTLightningModule):
 @pytest.mark.parametrize("capture_optimizer", [False, True])
 def test_user_optimizer_step_that_skips_the_update(capture_optimizer):
     """The skipped batch's gradients are dropped before the next backward, as Lightning's zero_grad drops
-    them under "ddp" (they used to be added to the next step's main_grad): losses equal "ddp" (1e-5)."""
+    them under "ddp" (not added to the next step's main_grad): losses equal "ddp" (1e-5)."""
     steps = 8
     ref_model, ref, _ = _fit("ddp", steps, model_cls=_SkipOddSteps)
     seed_everything(7, workers=True)

@@ -1,5 +1,5 @@
 """``graphs.segments``: consecutive graphed calls that feed each other captured as one forward and one
-backward graph (issue 8 lever), against Lightning ``"ddp"`` on the same seed and data. On CPU (eager graph
+backward graph, against Lightning ``"ddp"`` on the same seed and data. On CPU (eager graph
 backend) the segment's launching member re-runs every member body, so these tests check the chaining, the
 skip-and-check paths of the other members and the grad-ready counts; the ``cuda`` test checks real capture."""
 
@@ -211,8 +211,7 @@ def test_what_happens_between_two_calls_ends_the_segment(case):
     blocks 1 and 2, with dropout in the blocks (the segment's graph would draw block 2's masks before it);
     ``prehook``: a forward pre-hook on block 2 that changes its bias (the segment would run block 2 at block
     0's call, before the hook); ``backward_hook``: a module backward hook on block 1 (``SegmentError`` at
-    the first replay before). Without the checks each case trained silently off "ddp" (found by a review
-    helper in session 5)."""
+    the first replay otherwise). Without the checks each case would train silently off "ddp"."""
     steps = 8
     kw = {case: True}
     ref_model, ref, _, _ = _chain_fit("ddp", steps, **kw)
@@ -308,7 +307,7 @@ def test_what_the_first_micro_batch_of_each_step_shows_ends_the_segment(case):
     1's output (``aux``), a random draw between blocks 1 and 2 (``rng_between``, dropout in the blocks) or an
     in-place gradient hook on block 1's output (``grad_hook``): the last recorded micro-batch shows nothing,
     the first does; what every recorded micro-batch showed counts, so the segment ends at block 1 and
-    training equals "ddp" (found by review helpers in session 5: ``SegmentError`` for the first and last,
+    training equals "ddp" (judged from the last micro-batch alone: ``SegmentError`` for the first and last,
     silently 4.9e-2 off "ddp" in loss for the random draw)."""
     out = {}
     for name in ("ddp", "cg"):
@@ -360,8 +359,8 @@ def test_segments_with_recomputation_keep_gradients_and_counts(layer_cls_name, r
 
 def test_in_place_change_between_blocks_breaks_the_chain():
     """``x.add_(0.5)`` on block 1's output before block 2, in every step: seen at recording (version counter),
-    so blocks 0-1 and 2-3 form two segments; training equals "ddp" (it used to be silently wrong: the
-    segment computed block 2 from the unchanged output)."""
+    so blocks 0-1 and 2-3 form two segments; training equals "ddp" (one segment would compute block 2 from the
+    unchanged output, silently)."""
     steps = 8
     ref_model, ref, _, _ = _chain_fit("ddp", steps, inplace_at="all")
     model, rec, _, roles = _chain_fit("cg", steps, inplace_at="all")
@@ -395,7 +394,7 @@ def test_layer_failing_in_a_later_graph_set_drops_the_sets_segments():
     """``shape_policy="recapture"`` and ``on_capture_error="eager"``: the full-batch set is one segment; the
     set for the smaller last batch fails on block 2 (a host sync at that size only), which makes block 2
     eager everywhere. The full-batch set, whose segment contains block 2, is dropped and captured again
-    without it; training equals "ddp" (it used to stop with an error)."""
+    without it; training equals "ddp" (no error)."""
 
     class SyncOnSmallBatch(nn.Module):
         def __init__(self, inner):

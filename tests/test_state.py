@@ -1,4 +1,4 @@
-"""Training state across steps under ``strategy="cudagraph_ddp"`` (issue 6, item 6 "State").
+"""Training state across steps under ``strategy="cudagraph_ddp"``.
 
 * Buffers: BatchNorm running statistics inside graphed layers evolve as in eager training (warmup and
   capture leave them untouched) and, with several processes, are broadcast from rank 0 before forwards
@@ -8,7 +8,7 @@
 * Resume: a run checkpointed by ``ModelCheckpoint`` and resumed with ``trainer.fit(ckpt_path=...)`` continues
   exactly as the uninterrupted run, re-capturing its graphs.
 
-References are Lightning's own ``"ddp"`` strategy on the same seed and data (DESIGN.md, "Tests").
+References are Lightning's own ``"ddp"`` strategy on the same seed and data.
 """
 
 from __future__ import annotations
