@@ -1,10 +1,18 @@
-"""Turning user-facing option arguments (an options object, a dict of its fields, or ``None``) into objects."""
+"""Options dataclasses: turning user arguments into them, and reading their fields' one-line docstrings.
+
+Every field of an options dataclass (``GraphOptions``, ``DDPOptions``) carries its documentation as a string
+literal on the line after it. Python keeps no such string at run time, so :func:`field_docs` reads them back
+from the module's source; ``scripts/gen_options_doc.py`` writes ``docs/options.md`` from them.
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
-from typing import Any, Type, TypeVar
+import inspect
+import textwrap
+from typing import Any, Dict, Optional, Type, TypeVar
 
 T = TypeVar("T")
 
@@ -37,3 +45,45 @@ def as_options(cls: Type[T], value: Any, what: str) -> T:
             raise TypeError(f"{what}: unknown key(s) {', '.join(hints)}; valid keys: {', '.join(known)}")
         return cls(**value)
     raise TypeError(f"{what} must be a {cls.__name__}, a dict of its fields or None, got {type(value).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldDoc:
+    """One field of an options dataclass as written in its source.
+
+    Attributes:
+        name: the field's name.
+        annotation: its type annotation as written (``"Optional[List[str]]"``).
+        doc: the string literal right under the field, or ``None`` when there is none.
+    """
+
+    name: str
+    annotation: str
+    doc: Optional[str]
+
+
+def field_docs(cls: type) -> Dict[str, FieldDoc]:
+    """The fields of dataclass ``cls`` in declaration order, each with the docstring written under it.
+
+    Reads the class's source with :mod:`ast`: an annotated assignment followed directly by a string
+    expression statement is a documented field.
+
+    Raises:
+        TypeError: ``cls`` is not a dataclass.
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    out: Dict[str, FieldDoc] = {}
+    body = node.body
+    for i, stmt in enumerate(body):
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        nxt = body[i + 1] if i + 1 < len(body) else None
+        doc = None
+        if (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            doc = inspect.cleandoc(nxt.value.value)
+        out[stmt.target.id] = FieldDoc(stmt.target.id, ast.unparse(stmt.annotation), doc)
+    return out

@@ -12,31 +12,29 @@ GRAD_DTYPES = (None, "float32", "bfloat16", "float16")
 class DDPOptions:
     """How gradients are bucketed and reduced.
 
-    Attributes:
-        bucket_size_mb: bucket capacity in MiB of gradient memory; a parameter never spans two buckets.
-        average: divide the all-reduced gradient by the world size (torch DDP's behaviour); ``False`` sums.
-        grad_dtype: dtype of ``main_grad`` (``"float32"``, ``"bfloat16"``, ``"float16"``); ``None`` keeps
-            each parameter's dtype.
-        timeout_s: seconds a rank waits for the others in the grad-ready agreement before it raises.
-        check_grad_ready: before waiting on the buckets, agree across ranks (a tiny all-reduce on a CPU
-            group) that every parameter reported ready, so a missing gradient is an error on every rank
-            instead of a hang. One small collective per step; only used when world size > 1.
-        broadcast_buffers: copy the module's buffers (BatchNorm running statistics, ...) from rank 0 to
-            every rank, in place, at the start of a forward, on the schedule of torch DDP's option of the
-            same name: before the first forward and before every forward that follows a forward run with
-            grad enabled and gradient sync on (so once per optimizer step under gradient accumulation,
-            and not right after a validation forward). Only used when world size > 1.
+    One line per field below; ``docs/options.md`` is generated from those lines.
 
     Raises:
         ValueError: on a non-positive bucket size or timeout, or an unknown grad dtype.
     """
 
     bucket_size_mb: float = 25.0
+    """Bucket capacity in MiB of gradient memory; a parameter never spans two buckets."""
+
     average: bool = True
+    """Divide the all-reduced gradient by the world size, as torch DDP does; ``False`` sums."""
+
     grad_dtype: Optional[str] = None
+    """dtype of ``main_grad``: ``"float32"``, ``"bfloat16"``, ``"float16"``; ``None`` keeps each parameter's."""
+
     timeout_s: float = 300.0
+    """Seconds a rank waits for the others in the grad-ready agreement before it raises."""
+
     check_grad_ready: bool = True
+    """Agree across ranks that every parameter reported ready, so a missing gradient is an error, not a hang."""
+
     broadcast_buffers: bool = True
+    """Copy module buffers (BatchNorm statistics) from rank 0 before a training forward, as torch DDP does."""
 
     def __post_init__(self) -> None:
         if self.bucket_size_mb <= 0:

@@ -12,89 +12,53 @@ CAPTURE_ERROR_POLICIES = ("raise", "eager")
 
 @dataclass
 class GraphOptions:
-    """How the strategy graphs layers.
+    """How the strategy (or the Accelerate integration) graphs layers.
 
-    Attributes:
-        enabled: capture and replay graphs at all; ``False`` trains eagerly through the same DDP engine.
-        layers: glob patterns over qualified module names (``"model.blocks.*"``); a module matches if its
-            name matches any pattern and none of its ancestors matched. ``None`` picks the entries of the
-            largest ``nn.ModuleList`` whose entries share one class.
-        warmup_steps: eager training steps (optimizer steps) before graphs are captured, counted from the
-            first step the graph manager sees (a run resumed from a checkpoint warms up again). The last eager
-            step records which layers run, in which order and with which arguments, so at least one is
-            always taken: 0 and 1 both capture at the start of step 1.
-        num_warmup_iters: eager forward+backward passes per layer inside capture, >= 1; they discover the
-            parameters hidden behind activation recomputation (Megatron-LM PR #6373).
-        backend: ``"cuda"`` (``torch.cuda.CUDAGraph``), ``"eager"`` (same static buffers and bookkeeping,
-            kernels run eagerly; for CPU and debugging) or ``"auto"`` (``cuda`` on a CUDA device).
-        shape_policy: what a call whose arguments differ from the captured ones does: ``"eager"`` runs
-            that call eagerly (warns once per layer), ``"error"`` raises a ``GraphSignatureError``,
-            ``"recapture"`` captures another graph set for a training step whose first graphed call has a
-            new signature (that step runs eagerly and is recorded; the next step with the same signature
-            captures it), up to ``max_graph_sets`` sets.
-        max_graph_sets: most graph sets (captured or recorded for capture) under ``"recapture"``, >= 1;
-            further new signatures run eagerly, with one warning.
-        on_capture_error: a layer whose capture raises ``GraphCaptureError``: ``"raise"`` stops training
-            (the message names the layer), ``"eager"`` runs that layer eagerly from then on (one warning
-            naming the layer and the cause) and captures the other layers without it.
-        capture_optimizer: also capture ``optimizer.step()`` (Lightning strategy): once the layers replay,
-            one eager step with ``capturable=True`` (CUDA), then the step is captured and replayed every step.
-            Needs an optimizer with a ``capturable`` option (Adam, AdamW, NAdam, RAdam, Adamax, RMSprop, ...;
-            not SGD). ``group["lr"]`` stays a float that LR schedulers change as usual; it is copied into the
-            graph's device tensor before each replay. Refused, with one warning and eager steps, under
-            16-mixed's GradScaler, with optimizer step hooks or a ``ddp.grad_dtype`` other than the
-            parameters', and from the first step whose gradients, param groups or non-``lr``
-            hyperparameters differ from the captured ones. Off by default because it is not bit-exact:
-            the capturable code path computes the bias corrections (foreach) or reads the learning rate
-            (fused) in float32 on the device, where ``optimizer.step()`` uses Python floats; a parameter
-            whose true gradient is zero (a key bias under softmax) then takes AdamW steps of either sign,
-            and weights drift from eager training (measured 2e-5 to 1e-2 relative over 50 steps).
-        cached_optimizer_step: for a ``torch.optim.Adam``/``AdamW`` built with ``fused=True`` (Lightning
-            strategy), call its fused kernels on tensor lists kept from the previous step instead of
-            ``optimizer.step()`` rebuilding them over every parameter (:mod:`.fused_adam_step`): the same
-            kernels with the same arguments, so bit-identical, with a fraction of the host time. Any change
-            to the groups, gradients, state, hooks or a GradScaler makes that step an ordinary one. Other
-            optimizers step as usual. Ignored when ``capture_optimizer`` captures the step.
-        segments: capture consecutive graphed calls that feed each other (call k+1's only argument is call
-            k's output, as in ``for block in blocks: x = block(x)``) as one forward and one backward graph:
-            one graph launch per direction instead of one per layer, and no input copies between them.
-            Which calls chain is decided from the recorded warmup steps: an intermediate output the backward
-            also reached from elsewhere, a gradient hook added on it, a random draw or module hooks between
-            two calls end the segment there. Every replay checks that each call is handed exactly the chained
-            tensor and gradient; such a use that appears only after capture raises ``SegmentError`` naming
-            the layer (then leave this off).
-        direct_grad_ready: parameters that only one graphed call reaches (confirmed on the autograd graph
-            of the first step replaying a graph set, :mod:`.direct_ready`) lose their autograd edge to the
-            replay node; the replay reports them ready itself. Saves an autograd input, an
-            ``AccumulateGrad`` node and a Python hook per parameter and step. A later step that reaches such
-            a parameter from elsewhere (a weight used outside the graphed layers only on some steps) stops
-            with the DDP engine's error naming it: leave this off for such models. DDP strategy and
-            Accelerate integration only.
-        capture_eval: also graph calls of the selected layers made in eval mode without autograd
-            (validation, test, predict, the sanity check; :mod:`.eval_graphs`): forward-only graphs in their
-            own memory pool, keyed per layer by argument signature, autocast settings and inference mode,
-            so training graphs are never touched or recaptured. A key's first call runs eagerly, its second
-            is captured; outputs are returned as copies. At most ``max_graph_sets`` keys per layer; a layer
-            whose eval capture fails runs eagerly in eval (one warning). ``False`` (default): eval calls
-            run eagerly.
+    One line per field below; ``docs/options.md`` is generated from those lines and ``docs/design.md`` tells
+    how the pieces act together.
 
     Raises:
         ValueError: on an unknown backend or shape policy, a count below 1, or ``layers`` given as one string.
     """
 
     enabled: bool = True
+    """Capture and replay graphs at all; ``False`` trains eagerly through the same DDP engine."""
+
     layers: Optional[List[str]] = None
+    """Glob patterns over module names, outermost match wins; ``None``: the largest same-class ``ModuleList``."""
+
     warmup_steps: int = 2
+    """Eager optimizer steps before capture (at least one is taken; a resumed run warms up again)."""
+
     num_warmup_iters: int = 1
+    """Eager passes per layer inside capture (>= 1); they find parameters used only in recomputation."""
+
     backend: str = "auto"
+    """``"cuda"`` (``torch.cuda.CUDAGraph``), ``"eager"`` (kernels run eagerly) or ``"auto"`` (``cuda`` on a GPU)."""
+
     shape_policy: str = "eager"
+    """A call unlike the captured ones: ``"eager"`` (warn once), ``"error"``, or ``"recapture"`` (new graph set)."""
+
     max_graph_sets: int = 4
+    """Most graph sets under ``"recapture"`` and eval-graph keys per layer (>= 1); later new ones run eagerly."""
+
     on_capture_error: str = "raise"
+    """A layer whose capture fails: ``"raise"`` stops training, ``"eager"`` runs that layer eagerly from then on."""
+
     capture_optimizer: bool = False
+    """Lightning only: replay ``optimizer.step()`` from a graph (``capturable`` optimizers); not bit-exact."""
+
     cached_optimizer_step: bool = True
+    """Step a fused ``Adam``/``AdamW`` on tensor lists kept across steps: bit-identical, less host time."""
+
     segments: bool = True
+    """Capture consecutive graphed calls that feed each other (``x = block(x)``) as one graph per direction."""
+
     capture_eval: bool = False
+    """Forward-only graphs, in their own pool, for graphed layers called in eval mode without autograd."""
+
     direct_grad_ready: bool = True
+    """Parameters only one graphed call reaches are reported ready by its replay, not by an autograd edge."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
