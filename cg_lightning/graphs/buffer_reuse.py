@@ -73,7 +73,7 @@ def share_grad_outputs_with_next_grad_inputs(runner, nxt) -> None:
     grad_inputs = nxt._bwd.outputs[: len(nxt.static_inputs)]
     it = iter(grad_inputs)
     by_input = [next(it) if t.requires_grad else None for t in nxt.static_inputs]
-    for k in getattr(nxt, "shared_inputs", []):
+    for k in nxt.shared_inputs:
         if k < len(runner.static_grad_outputs) and runner.static_grad_outputs[k] is not None:
             g = by_input[k]
             if g is not None and _same_meta(g, runner.static_grad_outputs[k]):
@@ -120,7 +120,7 @@ def check_shared_inputs(runner, inputs: Sequence[torch.Tensor]) -> None:
             problem = "was handed the previous graphed call's output after it was changed in place"
         else:
             continue
-        if getattr(runner._fwd, "segment", None) is not None:
+        if runner.segment is not None:
             raise SegmentError(
                 f"graphed {runner.name!r} is inside a segment (graphs.segments=true) and {problem} (tensor input "
                 f"{j}); the segment's graph already computed it from the unchanged output. Keep the chain "

@@ -9,7 +9,8 @@ training graph and never recaptures one.
 Per key: the first call runs eagerly (it is the warmup, on the capture stream for CUDA), the second is
 captured and every later one copies its tensor arguments into the static inputs and replays. Outputs are
 cloned out of the static buffers by default, so a tensor a ``validation_step`` keeps (predictions
-collected over an epoch) is not overwritten by the next replay (seed 4 of DESIGN.md, applied to outputs).
+collected over an epoch) is not overwritten by the next replay (eager lifetime semantics, as for returned
+parameter gradients: pytorch/pytorch#181723).
 A layer whose capture fails (a host sync, a submodule hook, non-tensor outputs), that modifies an input in
 place (seen in its warmup call) or that gets a submodule hook after capture (checked at every replay) runs
 eagerly in eval from then on, with one warning naming it: evaluation graphs are an optimisation and never

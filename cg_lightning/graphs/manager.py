@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from .. import protocol
 from . import direct_ready
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
@@ -133,6 +134,14 @@ class GraphManager:
         self._segment_ends: Set[Tuple[int, int]] = set()  # graphs.segments: (id(layer), index) of recorded calls
         # after which some recorded micro-batch showed a reason to end a segment (segments.breaks_between)
         self._replayed: set = set()
+        #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
+        self.grad_ready = None
+
+    def bind_grad_ready(self, reporter) -> None:
+        """Hand this manager the grad-ready reporter of the data-parallel engine that owns the model's
+        parameters (``DataParallelEngine.grad_ready``, :mod:`cg_lightning.protocol`): replays report to it. Call
+        it before the capture, right after building the engine."""
+        self.grad_ready = reporter
 
     # ----------------------------------------------------------------- state
     @property
@@ -426,6 +435,7 @@ class GraphManager:
         if self.pool is None:
             self.pool = self.backend.new_pool()
         calls = [c for c in record.calls if c.layer.failure is None]
+        self._require_grad_ready(calls)
         for call in calls:
             call.ends_segment = (id(call.layer), call.index) in self._segment_ends
         calls, runners = capture_calls(calls, self._runner, self.model, self.options.on_capture_error,
@@ -466,7 +476,20 @@ class GraphManager:
             num_warmup_iters=self.options.num_warmup_iters,
             autocast=call.autocast,
             grad_output_layouts=call.grad_output_layouts,
+            grad_ready=self.grad_ready,
         )
+
+    def _require_grad_ready(self, calls) -> None:
+        """Raise if graphs would add into ``main_grad`` but no engine's grad-ready reporter was bound: their
+        replays could not report the parameters they finalize, and the engine would miss them."""
+        if self.grad_ready is not None or not self.accumulate_into_main_grad:
+            return
+        if any(protocol.has_main_grad(p) for c in calls for p in c.layer.module.parameters()):
+            raise RuntimeError(
+                "GraphManager: the graphed layers' parameters have main_grad (a DataParallelEngine owns them) but "
+                "no grad-ready reporter was bound; call manager.bind_grad_ready(engine.grad_ready) right after "
+                "building the engine, before the first capture."
+            )
 
     def _mark_failed(self, layer: _Layer, exc: BaseException) -> None:
         layer.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

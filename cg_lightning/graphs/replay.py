@@ -18,6 +18,7 @@ class ReplayFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner, *tensors):
         ctx.runner = runner
+        ctx.backward_ran = False
         outputs = runner.replay_forward(tensors[: runner.num_inputs])
         ctx.generation = runner.forward_generation
         non_diff = [o for o, g in zip(outputs, runner.output_requires_grad) if not g]
@@ -38,7 +39,7 @@ class ReplayFunction(torch.autograd.Function):
 def check_second_backward(ctx, runner) -> None:
     """Raise if this node's backward already ran (its captured backward reads what its forward left in the
     static buffers, once)."""
-    if getattr(ctx, "backward_ran", False):
+    if ctx.backward_ran:
         raise RuntimeError(
             f"graphed {runner.name!r}: a second backward pass reached the same call (backward or "
             "torch.autograd.grad with retain_graph=True, then another one). Its captured backward runs once "

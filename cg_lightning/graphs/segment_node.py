@@ -2,8 +2,7 @@
 
 With per-member nodes, each of the 12 block calls of a chained segment went through
 ``ReplayFunction.apply`` and left a backward node whose only work, for all but one, was an identity check
-(``benchmarks/NOTES.md``, session 6 profile: the layer dispatch and the replay nodes were the largest host
-costs of ours). Here the segment's first call applies :class:`SegmentFunction` once: its forward replays every
+(in a profile of a replayed step the layer dispatch and the replay nodes were the largest host costs). Here the segment's first call applies :class:`SegmentFunction` once: its forward replays every
 member (the first launches the segment's forward graph; the others only run their checks and return their
 static outputs) and returns the outputs of *all* members, which therefore all have this node as
 ``grad_fn``. Each following member's call gets its output handed from the segment (:class:`HandedOutputs`)
@@ -172,6 +171,7 @@ class SegmentFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an output nobody used gets None: the intermediate outputs
         runners = segment.node_runners
         ctx.segment = segment
+        ctx.backward_ran = False
         ctx.runners = runners
         ctx.runner = runners[0]
         x = tensors[: runners[0].num_inputs]

@@ -35,7 +35,7 @@ from typing import Iterator, List, Sequence
 
 import torch
 
-from .backends import _detached, _EagerGraph
+from .backends import CapturedGraph, _detached, _EagerGraph
 from .discovery import autograd_edges
 
 
@@ -66,7 +66,7 @@ def find_segments(calls: Sequence) -> List[List[int]]:
 
 
 def _chains(prev, call) -> bool:
-    out = getattr(prev, "output", None)
+    out = prev.output
     if out is None or call.kwargs or len(call.args) != 1 or not isinstance(call.args[0], torch.Tensor):
         return False
     if not call.signature.positional_tensors:
@@ -133,7 +133,7 @@ def mark_outside_uses(loss: torch.Tensor, calls: Sequence) -> int:
     every visited node wrapper is kept alive so that ``id`` stays an identity (torch creates wrappers on
     access, and a new one may reuse a freed one's address).
     """
-    root = getattr(loss, "grad_fn", None)
+    root = loss.grad_fn
     if root is None:
         return 0
     targets = {}  # id(output node of call k) -> (call k, nodes of call k+1's own graph)
@@ -161,7 +161,7 @@ def _nodes_between(start, stop) -> dict:
     return found
 
 
-class _Member:
+class _Member(CapturedGraph):
     """A member's graph handle: its static ``outputs``; ``replay()`` launches the segment (launcher only)."""
 
     def __init__(self, segment, outputs, launcher: bool) -> None:
