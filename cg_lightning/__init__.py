@@ -35,7 +35,8 @@ _EXPORTS = {
 
 #: subpackages and modules reachable as attributes of the package (``cg_lightning.callbacks``)
 _SUBMODULES = frozenset({
-    "accelerate", "callbacks", "cli", "config", "ddp", "graphs", "options", "phase", "protocol", "strategy",
+    "accelerate", "callbacks", "cli", "config", "ddp", "graphs", "optim", "options", "phase", "protocol", "strategy",
+    "torch_compat",
 })
 
 __all__ = sorted(_EXPORTS)

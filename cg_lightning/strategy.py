@@ -30,9 +30,9 @@ from torch.optim import Optimizer
 
 from .ddp import DataParallelEngine, DDPOptions
 from .graphs import GraphManager, GraphOptions
-from .graphs.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
-from .graphs.optimizer_step import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
-from .graphs.optimizer_step import OptimizerStepGraph, optimizer_refusal, step_replaced
+from .optim.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
+from .optim.step_graph import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
+from .optim.step_graph import OptimizerStepGraph, optimizer_refusal, step_replaced
 from .options import as_options
 from .protocol import main_grad
 

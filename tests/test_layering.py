@@ -11,8 +11,8 @@ import textwrap
 from tests.helpers import ROOT
 
 FRONT_ENDS = ("lightning", "pytorch_lightning", "accelerate", "omegaconf")
-TORCH_ONLY = ("graphs", "ddp")
-TORCH_ONLY_MODULES = ("protocol.py", "phase.py")
+TORCH_ONLY = ("graphs", "ddp", "optim")
+TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py")
 
 
 def _run(code: str) -> str:
@@ -31,12 +31,14 @@ _LOADED = """
 
 
 def test_engine_packages_load_no_front_end_at_run_time():
-    """``import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol`` (and every module inside the two
-    packages) loads none of Lightning, pytorch_lightning, Accelerate, OmegaConf."""
+    """``import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol`` (and every module inside the engine
+    packages, the optimizer pieces and the torch compat module) loads none of Lightning, pytorch_lightning,
+    Accelerate, OmegaConf."""
     out = _run(textwrap.dedent("""
         import importlib, pkgutil
         import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol, cg_lightning.phase
-        for pkg in (cg_lightning.graphs, cg_lightning.ddp):
+        import cg_lightning.torch_compat, cg_lightning.optim
+        for pkg in (cg_lightning.graphs, cg_lightning.ddp, cg_lightning.optim):
             for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 importlib.import_module(info.name)
     """) + textwrap.dedent(_LOADED.format(front_ends=FRONT_ENDS)))

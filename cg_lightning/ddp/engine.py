@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import protocol
+from .. import protocol, torch_compat
 from ..phase import grad_ready_deferred, record_grad_ready
 from .buffer import GradBuffer
 from .bucket import Bucket
@@ -184,10 +184,7 @@ class DataParallelEngine(nn.Module):
         if not buffers:
             return
         with torch.no_grad():
-            coalesced = getattr(dist, "_broadcast_coalesced", None)
-            if coalesced is not None:
-                # group-local source rank; copies back into the tensors it was given
-                coalesced(self.group, buffers, 250 * 1024 * 1024, 0)
+            if torch_compat.broadcast_coalesced(self.group, buffers, 250 * 1024 * 1024, 0):  # group-local source
                 return
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             for b in buffers:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
-from torch.utils import _pytree as pytree
+from .. import torch_compat
 
 from .autocast import autocast_as, autocast_state
 from .buffer_reuse import copy_into_static
@@ -147,7 +147,7 @@ class EvalGraphs:
         def body():
             with autocast_as(entry.autocast):
                 out = forward(*static_args, **static_kwargs)
-            leaves, entry.out_spec = pytree.tree_flatten(out)
+            leaves, entry.out_spec = torch_compat.tree_flatten(out)
             bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
             if bad:
                 raise RuntimeError(f"the layer returns non-tensor outputs ({', '.join(bad)})")
@@ -172,7 +172,7 @@ class EvalGraphs:
         outs = entry.graph.outputs
         if self.clone_outputs:
             outs = [o.clone() for o in outs]
-        return pytree.tree_unflatten(list(outs), entry.out_spec)
+        return torch_compat.tree_unflatten(list(outs), entry.out_spec)
 
     def clear(self) -> None:
         """Drop every eval graph (the pool is freed once nothing refers to it)."""
@@ -183,10 +183,10 @@ class EvalGraphs:
 def _snapshot(t: torch.Tensor):
     """What tells whether ``t`` is modified in place: its version counter, or for an inference tensor (no
     counter) a copy."""
-    return t.clone() if t.is_inference() else t._version
+    return t.clone() if t.is_inference() else torch_compat.version(t)
 
 
 def _changed(t: torch.Tensor, before) -> bool:
     if isinstance(before, torch.Tensor):
         return not torch.allclose(t, before, rtol=0, atol=0, equal_nan=True)
-    return t._version != before
+    return torch_compat.version(t) != before

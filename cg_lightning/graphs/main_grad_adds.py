@@ -30,6 +30,8 @@ from typing import List, Sequence, Set
 
 import torch
 
+from ..torch_compat import foreach_add_
+
 #: default bound on the bytes of gradients kept pending (the tiny benchmark's 12 blocks need 36 MB)
 FLUSH_BYTES = 64 * 2**20
 
@@ -69,6 +71,6 @@ class MainGradAdds:
         """Launch the pending additions (none pending: nothing launched). Returns ``[]``, so that it can be a
         segment member's body with no outputs."""
         if self._mains:
-            torch._foreach_add_(self._mains, self._addends)
+            foreach_add_(self._mains, self._addends)
         self._mains, self._addends, self._pending, self._bytes = [], [], set(), 0
         return []

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from .. import protocol
+from .. import protocol, torch_compat
 from . import direct_ready
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
@@ -259,8 +259,8 @@ class GraphManager:
                 self.stats.fallback_calls += 1
             if self.options.segments:
                 if args and isinstance(args[0], torch.Tensor):
-                    record.input_version = args[0]._version
-                    record.input_hooks = tuple(args[0]._backward_hooks or ())
+                    record.input_version = torch_compat.version(args[0])
+                    record.input_hooks = tuple(torch_compat.grad_hooks(args[0]) or ())
                 record.rng_before = rng_state(self.device)
             out = layer.forward(*args, **kwargs)
             record.grad_output_layouts = watch_grad_layouts(out)  # before output_hooks: the hook is part of them
@@ -268,16 +268,16 @@ class GraphManager:
                 record.rng_after = rng_state(self.device)
             if self.options.segments and isinstance(out, torch.Tensor):
                 record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
-                record.output_version = out._version
+                record.output_version = torch_compat.version(out)
                 record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
-                record.output_hooks = tuple(out._backward_hooks or ())
+                record.output_hooks = tuple(torch_compat.grad_hooks(out) or ())
             return out
         if self._mode == "eager":
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
         runner = self._active.runners.get((key, index))
         follows = runner is not None and runner.segment is not None and not runner.segment_launcher
-        if follows and layer.module._forward_pre_hooks:
+        if follows and torch_compat.module_hooks(layer.module)["forward_pre_hooks"]:
             raise SegmentError(
                 f"graphed {layer.name!r} is inside a segment (graphs.segments=true) and got a forward pre-hook "
                 "after capture: the segment's graph ran this layer at the segment's first call, before the hook. "
@@ -509,6 +509,4 @@ class GraphManager:
 
 
 def _detach_tree(tree):
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
+    return torch_compat.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)

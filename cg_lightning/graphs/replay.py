@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..torch_compat import will_engine_execute_node
+
 
 class ReplayFunction(torch.autograd.Function):
     """Replays a :class:`~cg_lightning.graphs.runner.LayerGraphRunner`'s forward and backward graphs.
@@ -72,6 +74,6 @@ def _leaves_accumulate(ctx, n_edges: int) -> bool:
     if not nodes:
         return True
     try:
-        return any(torch._C._will_engine_execute_node(node) for node in nodes)
+        return any(will_engine_execute_node(node) for node in nodes)
     except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()": nothing accumulates
         return False

@@ -53,7 +53,7 @@ from .main_grad_adds import MainGradAdds
 from .signature import CallSignature
 from .state import graph_capture, graph_warmup, recording_grad_ready
 from .. import protocol
-from torch.utils import _pytree as pytree
+from .. import torch_compat
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getter for the per-replay frozen check
 _TRAINING = operator.attrgetter("training")
@@ -64,7 +64,7 @@ class GraphCaptureError(RuntimeError):
 
 
 def _flat_outputs(out) -> tuple:
-    leaves, spec = pytree.tree_flatten(out)
+    leaves, spec = torch_compat.tree_flatten(out)
     return leaves, spec
 
 
@@ -271,7 +271,7 @@ class LayerGraphRunner:
                 hooks (an enclosing non-reentrant ``torch.utils.checkpoint``).
         """
         self._refuse_hooks()
-        if _saved_tensor_hooks_active():
+        if torch_compat.saved_tensor_hooks_active():
             raise GraphCaptureError(
                 f"could not capture layer {self.name!r}: it runs under saved-tensor hooks, e.g. inside a "
                 "non-reentrant torch.utils.checkpoint around the layer, whose recomputation would replay the "
@@ -343,7 +343,7 @@ class LayerGraphRunner:
         self._bypassed_regions = regions
         marker = object()
         single = len(self._autograd_outputs) == 1
-        self._single_output = single and pytree.tree_unflatten([marker], self._out_spec) is marker
+        self._single_output = single and torch_compat.tree_unflatten([marker], self._out_spec) is marker
         outs = self._autograd_outputs
         self.output_requires_grad = [o.requires_grad for o in outs]
         self._visible = reachable_leaves(outs)
@@ -624,7 +624,7 @@ class LayerGraphRunner:
         self.replays += 1
         outputs = self._fwd.outputs
         if self.outputs_shared:
-            self.returned_versions = [o._version for o in outputs]
+            self.returned_versions = list(map(torch_compat.VERSION, outputs))
         return tuple(o.detach() for o in outputs)
 
     @property
@@ -676,17 +676,12 @@ class LayerGraphRunner:
     def output_structure(self, flat: tuple):
         if self._single_output:
             return flat[0]
-        return pytree.tree_unflatten(list(flat), self._out_spec)
+        return torch_compat.tree_unflatten(list(flat), self._out_spec)
 
 
 def _describe_autocast(state: tuple) -> str:
     on = [f"{dt} {str(dtype).replace('torch.', '')}" for dt, enabled, dtype in state if enabled]
     return "enabled for " + ", ".join(on) if on else "disabled"
-
-
-def _saved_tensor_hooks_active() -> bool:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is not None
 
 
 def _capture_failure(name: str, what: str, exc: BaseException) -> str:

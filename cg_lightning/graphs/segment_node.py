@@ -25,11 +25,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..torch_compat import VERSION as _VERSION, grad_hooks
 from .replay import check_second_backward, check_leaves_accumulate
 from .buffer_reuse import check_shared_inputs
 from .segments import SegmentError, rng_moved, rng_state
 
-_VERSION = operator.attrgetter("_version")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
@@ -140,7 +140,7 @@ def follow(runner, args: tuple, kwargs: dict, device: torch.device):
             + "\nA segment replays all or none of its layers. Set graphs.segments=false for this model."
         )
     check_shared_inputs(runner, args)  # changed in place since it was returned: SegmentError
-    if expected._backward_hooks or expected.retains_grad:
+    if grad_hooks(expected) or expected.retains_grad:
         raise SegmentError(hook_on_intermediate(segment.node_runners, runner))
     if tuple(map(_VERSION, runner.module_params)) != versions:
         raise SegmentError(
@@ -213,7 +213,7 @@ class SegmentFunction(torch.autograd.Function):
         held = handed.intermediate
         handed.release()
         for k, t in enumerate(held):
-            if t._backward_hooks or t.retains_grad:
+            if grad_hooks(t) or t.retains_grad:
                 raise SegmentError(hook_on_intermediate(runners, runners[k + 1]))
         del held
         for r, generation in zip(runners, ctx.generations):

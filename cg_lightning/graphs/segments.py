@@ -35,6 +35,7 @@ from typing import Iterator, List, Sequence
 
 import torch
 
+from ..torch_compat import global_module_hooks, module_hooks
 from .backends import CapturedGraph, _detached, _EagerGraph
 from .discovery import autograd_edges
 
@@ -88,14 +89,12 @@ def breaks_between(prev, call) -> bool:
 
 
 def _module_hooks_between(first: torch.nn.Module, second: torch.nn.Module) -> bool:
-    from torch.nn.modules import module
-
+    a, b = module_hooks(first), module_hooks(second)
     return bool(
-        second._forward_pre_hooks or first._forward_hooks
-        or first._backward_hooks or getattr(first, "_backward_pre_hooks", None)
-        or second._backward_hooks or getattr(second, "_backward_pre_hooks", None)
-        or module._global_forward_pre_hooks or module._global_forward_hooks
-        or module._global_backward_hooks or getattr(module, "_global_backward_pre_hooks", None)
+        b.get("forward_pre_hooks") or a.get("forward_hooks")
+        or a.get("backward_hooks") or a.get("backward_pre_hooks")
+        or b.get("backward_hooks") or b.get("backward_pre_hooks")
+        or any(global_module_hooks().values())
     )
 
 
