@@ -30,10 +30,11 @@ from torch.optim import Optimizer
 
 from .ddp import DataParallelEngine, DDPOptions
 from .graphs import GraphManager, GraphOptions
-from .graphs.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
-from .graphs.optimizer_step import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
-from .graphs.optimizer_step import OptimizerStepGraph, optimizer_refusal, step_replaced
+from .optim.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
+from .optim.step_graph import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
+from .optim.step_graph import OptimizerStepGraph, optimizer_refusal, step_replaced
 from .options import as_options
+from .protocol import main_grad
 
 
 def _destroy_process_group_at_exit() -> None:
@@ -125,6 +126,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             )
         stream = getattr(self.graph_manager.backend, "stream", None) if self.graph_manager else None
         engine = DataParallelEngine(model, self.ddp_options, grad_accumulator_stream=stream)
+        if self.graph_manager is not None:
+            self.graph_manager.bind_grad_ready(engine.grad_ready)
         self.engine = engine
         return engine
 
@@ -249,7 +252,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             if reason is None and getattr(self.precision_plugin, "scaler", None) is not None:
                 reason = "the GradScaler of 16-mixed checks the gradients for inf/NaN on the host before each step"
             if reason is None and self.engine is not None and any(
-                p.main_grad.dtype != p.dtype for p in self.engine.params
+                main_grad(p).dtype != p.dtype for p in self.engine.params
             ):
                 reason = ("ddp.grad_dtype differs from the parameters' dtype, so the optimizer gets a new cast copy "
                           "of main_grad every step; leave ddp.grad_dtype unset to capture the step")

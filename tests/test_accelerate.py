@@ -234,24 +234,6 @@ def test_torch_ddp_kwargs_refused(fresh_accelerate_state):
         CUDAGraphAccelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=5)])
 
 
-def test_engine_packages_do_not_import_accelerate():
-    """graphs/ and ddp/ import only torch: the same engine serves Lightning, Accelerate and plain PyTorch."""
-    import ast
-
-    for sub in ("graphs", "ddp"):
-        folder = os.path.join(ROOT, "cg_lightning", sub)
-        for name in sorted(os.listdir(folder)):
-            if not name.endswith(".py"):
-                continue
-            tree = ast.parse(open(os.path.join(folder, name)).read())
-            for node in ast.walk(tree):
-                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
-                for mod in mods:
-                    assert mod.split(".")[0] not in ("accelerate", "lightning", "pytorch_lightning", "omegaconf"), (
-                        f"cg_lightning/{sub}/{name} imports {mod}")
-
-
 class _Blocks(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -69,6 +69,7 @@ def test_second_backward_through_the_same_call_is_an_error_naming_it():
     manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["0", "1"]),
                            torch.device("cpu"))
     engine = DataParallelEngine(model, DDPOptions())
+    manager.bind_grad_ready(engine.grad_ready)
     x = torch.randn(4, 8)
     for step in range(2):
         manager.begin_step(step)

@@ -141,15 +141,14 @@ def test_more_reports_than_golden_is_a_named_error():
 
 
 def test_batched_grad_ready_reports_count_like_one_by_one():
-    """A graph replay reports its parameters through one batched call (``graphs.state.batched_reporter`` ->
-    ``DataParallelEngine.ready_batch``). Against the same reports made one by one on a twin engine: the same
+    """A graph replay reports its parameters through one batched call (the engine's grad-ready reporter,
+    ``engine.grad_ready.batch``). Against the same reports made one by one on a twin engine: the same
     per-parameter counts, the same complete/dispatched buckets in the same order, the same overshoot error
     naming the parameter, nothing counted under no_sync, and with a ready_observer every occurrence observed in
     order."""
     import torch
 
     from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
-    from cg_lightning.graphs.state import batched_reporter, grad_ready_reporter
 
     def engine_of(seed):
         torch.manual_seed(seed)
@@ -162,8 +161,11 @@ def test_batched_grad_ready_reports_count_like_one_by_one():
     assert len(one.buckets) > 2
     params1, params2 = list(m1.parameters()), list(m2.parameters())
     order = [4, 5, 0, 2, 1, 3, 4]  # out of bucket order, one parameter twice
-    batch = batched_reporter([grad_ready_reporter(params2[i]) for i in order])
-    assert not any(getattr(grad_ready_reporter(p), "batch", None) is None for p in params2)
+    def grad_ready_reporter(p):
+        return (one if any(p is q for q in params1) else many).grad_ready.notifier(p)
+
+    batch = many.grad_ready.batch([grad_ready_reporter(params2[i]) for i in order])
+    assert all(many.grad_ready.batches([grad_ready_reporter(p)]) for p in params2)
 
     def report(k):
         for i in order:

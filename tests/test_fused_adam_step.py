@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 import cg_lightning
-from cg_lightning.graphs.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
-from cg_lightning.graphs.optimizer_step import step_replaced
+from cg_lightning.optim.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
+from cg_lightning.optim.step_graph import step_replaced
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
 from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff

@@ -12,7 +12,6 @@ import torch
 
 from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
 from cg_lightning.graphs import GraphManager, GraphOptions
-from cg_lightning.graphs import state as cg_state
 from tests import engine_models as em
 
 BACKENDS = [
@@ -49,6 +48,7 @@ def graphed_run(layer_cls, backend, device, steps=4, d=16, n=2, warmup_steps=1, 
     options = GraphOptions(warmup_steps=warmup_steps, backend=backend, layers=["layers.*"], enabled=graphs, **opts)
     manager = GraphManager(model, options, torch.device(device))
     engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
+    manager.bind_grad_ready(engine.grad_ready)
     grads, counts = [], []
     for step, x in enumerate(_data(steps, d, device)):
         manager.begin_step(step)
@@ -143,13 +143,13 @@ def test_inside_outside_weight_counts_twice_and_sums_once():
 
 def test_repeated_occurrences_recorded_in_order_and_replayed():
     """Nested backwards finalize [a, b, a]: capture records that list; each replay reports a twice, b once."""
-    _, counts, manager, _, model = graphed_run(em.RepeatedNestedLayer, "eager", "cpu")
+    _, counts, manager, engine, model = graphed_run(em.RepeatedNestedLayer, "eager", "cpu")
     layer = model.layers[1]
     runner = next(r for r in manager.runners.values() if r.module is layer)
     assert [id(p) for p in runner.recorded_occurrences] == [id(layer.a.weight), id(layer.b.weight), id(layer.a.weight)]
     # a and b are used only inside recomputation: no autograd edge, every occurrence comes from the plan
     assert not runner.edge_params or all(p is not layer.a.weight and p is not layer.b.weight for p in runner.edge_params)
-    reporter = cg_state.grad_ready_reporter
+    reporter = engine.grad_ready.notifier
     assert runner.replay_plan == [reporter(layer.a.weight), reporter(layer.b.weight), reporter(layer.a.weight)]
     for step_counts in counts:  # step 0 eager, steps 1.. replayed
         assert step_counts["layers.1.a.weight"] == 2
@@ -201,6 +201,8 @@ def test_foreign_parameter_not_added_to_layer_inputs():
         model = Model(recompute=graphed)
         engine = DataParallelEngine(model, DDPOptions())
         manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager"), torch.device("cpu")) if graphed else None
+        if manager:
+            manager.bind_grad_ready(engine.grad_ready)
         out = []
         for step, x in enumerate(_data(3, 16, "cpu")):
             if manager:
@@ -289,6 +291,7 @@ def test_shape_policy_eager_and_error():
     model = em.Stack(em.SeedLayer, 16, 1, recompute=True)
     engine = DataParallelEngine(model, DDPOptions())
     manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager"), torch.device("cpu"))
+    manager.bind_grad_ready(engine.grad_ready)
     for step in range(2):
         manager.begin_step(step)
         engine(torch.randn(8, 16)).backward()
@@ -401,6 +404,7 @@ def test_weight_of_a_graphed_layer_also_used_outside_graphs():
         manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"],
                                                    enabled=graphed), torch.device("cpu"))
         engine = DataParallelEngine(model, DDPOptions())
+        manager.bind_grad_ready(engine.grad_ready)
         grads, counts = [], []
         for step, x in enumerate(_data(4, 16, "cpu")):
             manager.begin_step(step)
@@ -431,6 +435,7 @@ def _seed_stack_trained(steps: int, recompute: bool, frozen: str = ""):
         getattr(model.layers[1], frozen).weight.requires_grad_(False)
     manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
     engine = DataParallelEngine(model, DDPOptions())
+    manager.bind_grad_ready(engine.grad_ready)
     for step in range(steps):
         manager.begin_step(step)
         engine(torch.randn(4, 16)).backward()
@@ -505,6 +510,7 @@ def test_output_that_is_an_input_replays_like_eager():
         manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"],
                                                    enabled=graphed), torch.device("cpu"))
         engine = DataParallelEngine(model, DDPOptions())
+        manager.bind_grad_ready(engine.grad_ready)
         out = []
         for step, x in enumerate(_data(4, 16, "cpu")):
             manager.begin_step(step)
@@ -541,6 +547,7 @@ def test_capture_failure_in_warmup_is_named_and_can_fall_back():
         manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"],
                                                    enabled=graphed, on_capture_error=on_error), torch.device("cpu"))
         engine = DataParallelEngine(model, DDPOptions())
+        manager.bind_grad_ready(engine.grad_ready)
         out = []
         for step, x in enumerate(_data(3, 16, "cpu")):
             manager.begin_step(step)

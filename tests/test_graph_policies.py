@@ -102,6 +102,7 @@ def test_recapture_cache_is_bounded(backend, device):
     options = GraphOptions(warmup_steps=1, backend=backend, shape_policy="recapture", max_graph_sets=2)
     manager = GraphManager(model, options, torch.device(device))
     engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
+    manager.bind_grad_ready(engine.grad_ready)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, x in enumerate(data):
@@ -166,6 +167,7 @@ def _train_three(on_capture_error, tagged, steps=4):
     options = GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"], on_capture_error=on_capture_error)
     manager = GraphManager(model, options, torch.device("cpu"))
     engine = DataParallelEngine(model, DDPOptions())
+    manager.bind_grad_ready(engine.grad_ready)
     got, want = [], []
     for step, x in enumerate(data):
         ref.zero_grad(set_to_none=True)

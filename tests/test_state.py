@@ -131,6 +131,7 @@ def _replayed_outputs(device: str, backend: str, dropout: float, steps: int = 4)
     manager = GraphManager(model, GraphOptions(layers=["blocks.*"], warmup_steps=1, backend=backend),
                            torch.device(device))
     engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
+    manager.bind_grad_ready(engine.grad_ready)
     x = torch.randn(4, 16, 32, device=device, requires_grad=True)
     outs = []
     for step in range(steps):  # no optimizer step: the weights never change

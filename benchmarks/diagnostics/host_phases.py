@@ -144,7 +144,7 @@ DEFAULT_TIMED = [
     "cg_lightning.strategy:CUDAGraphDDPStrategy.training_step",
     "cg_lightning.strategy:CUDAGraphDDPStrategy.optimizer_step",
     "cg_lightning.strategy:CUDAGraphDDPStrategy.post_backward",
-    "cg_lightning.graphs.fused_adam_step:CachedFusedAdamStep.step",
+    "cg_lightning.optim.fused_adam_step:CachedFusedAdamStep.step",
     "examples.gpt:GPT.forward",
     "examples.gpt:GPT.hidden",
     "benchmarks.common:lm_loss",

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .. import protocol
 from ..ddp import DataParallelEngine, DDPOptions
 from ..graphs import GraphManager, GraphStats
 
@@ -75,6 +76,8 @@ class GraphedDataParallel(DataParallelEngine):
         backend = graph_manager.backend if graph_manager is not None else None
         super().__init__(module, options, grad_accumulator_stream=getattr(backend, "stream", None))
         self.graph_manager = graph_manager
+        if graph_manager is not None:
+            graph_manager.bind_grad_ready(self.grad_ready)
         self.steps = 0
         self.micro_batch_open = False
         # the last backward through accelerator.backward completed an optimizer step, and the optimizer has not
@@ -135,7 +138,7 @@ class GraphedDataParallel(DataParallelEngine):
         with torch.no_grad():
             for p, g in zip(self.params, grads):
                 if g is not None:
-                    p.main_grad.add_(g)
+                    protocol.main_grad(p).add_(g)
                     p.grad = None
 
     def finish_backward(self, completes_step: bool) -> None:
@@ -205,6 +208,7 @@ class GraphedDataParallel(DataParallelEngine):
             self.take_back_grads()
             for p, keep in zip(self.params, had_grad):
                 if keep:
-                    p.grad = p.main_grad.detach().clone() if p.main_grad.dtype is p.dtype else p.main_grad.to(p.dtype)
+                    main = protocol.main_grad(p)
+                    p.grad = main.detach().clone() if main.dtype is p.dtype else main.to(p.dtype)
         self.close()
         self.module.__dict__.pop("_is_accelerate_prepared", None)

@@ -1,6 +1,6 @@
 """Data-parallel engine: contiguous ``main_grad`` buffers, buckets, grad-ready counting, all-reduce.
 
-Imports only torch (and :mod:`cg_lightning.graphs.state` for the capture-time hook behaviour).
+Imports only torch (and the torch-only :mod:`cg_lightning.protocol` and :mod:`cg_lightning.phase`).
 """
 
 from .engine import DataParallelEngine

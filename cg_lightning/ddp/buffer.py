@@ -6,6 +6,7 @@ from typing import List, Sequence
 
 import torch
 
+from ..protocol import set_main_grad
 from .bucket import Bucket
 
 
@@ -45,7 +46,7 @@ class GradBuffer:
         bucket_start = 0
         for p in ordered:
             n = p.numel()
-            p.main_grad = self.data[offset : offset + n].view_as(p)
+            set_main_grad(p, self.data[offset : offset + n].view_as(p))
             offset += n
             bucket_params.append(p)
             if (offset - bucket_start) * element >= bucket_size_bytes:

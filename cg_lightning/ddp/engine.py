@@ -1,11 +1,10 @@
 """The data-parallel engine: ``main_grad`` buffers, per-parameter grad-ready hooks, bucketed all-reduce.
 
 Per parameter a hook on its ``AccumulateGrad`` node (it fires even when a graph replay handed autograd
-no gradient, which a ``post_accumulate_grad`` hook would not) adds ``param.grad`` into
-``param.main_grad`` (unless ``param.grad_added_to_main_grad`` says a graph already did), clears
-``param.grad`` and reports the parameter ready. While graphs are built or the eager backend replays, the
-hook defers: it leaves ``param.grad`` to the graph code and hands its notification to the capture
-recorder (:mod:`cg_lightning.graphs.state`).
+no gradient, which a ``post_accumulate_grad`` hook would not) moves ``param.grad`` into ``main_grad`` and
+reports the parameter ready, following the gradient protocol of :mod:`cg_lightning.protocol`; while graphs
+are built it defers (:mod:`cg_lightning.phase`). Each parameter's notifier lives in the engine's grad-ready
+reporter (:mod:`.grad_ready`), which graph managers are handed.
 
 The first iteration records each parameter's *golden* ready count (a parameter finalized in several
 backward passes reports several times); later iterations dispatch a bucket's asynchronous all-reduce as
@@ -27,13 +26,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..graphs.state import grad_ready_deferred, grad_ready_reporter, record_grad_ready, set_grad_ready_reporter
+from .. import protocol, torch_compat
+from ..phase import grad_ready_deferred, record_grad_ready
 from .buffer import GradBuffer
 from .bucket import Bucket
 from .errors import GradSyncError
+from .grad_ready import GradReady
 from .options import DDPOptions
 
-_MAIN_GRAD = operator.attrgetter("main_grad")
 _DATA_PTR = torch.Tensor.data_ptr
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,12 +105,15 @@ class DataParallelEngine(nn.Module):
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         self.bucket_of: Dict[nn.Parameter, Bucket] = {p: b for b in self.buckets for p in b.params}
+        #: the grad-ready reporter (:mod:`cg_lightning.protocol`): hand it to a graph manager with
+        #: ``GraphManager.bind_grad_ready`` before capture
+        self.grad_ready = GradReady(self)
         self._grad_accs = []
         self._hook_handles = []
         stream_ctx = torch.cuda.stream(grad_accumulator_stream) if grad_accumulator_stream is not None else contextlib.nullcontext()
         with stream_ctx:
             for p in self.params:
-                p.grad_added_to_main_grad = False
+                protocol.set_grad_added(p, False)
                 acc = p.view_as(p).grad_fn.next_functions[0][0]
                 bucket = self.bucket_of[p]
                 self._hook_handles.append(acc.register_hook(self._make_hook(p, bucket, bucket.slot_of[p])))
@@ -130,7 +133,7 @@ class DataParallelEngine(nn.Module):
         # it the engine's hook), which a missing-gradient error then names (_cast_since_setup)
         self._setup_types = [(p.dtype, p.device) for p in self.params]
         # expose_grads' fast path: the main_grad views as made here (checked by identity at every use)
-        self._main_grads = [p.main_grad for p in self.params]
+        self._main_grads = list(map(protocol.MAIN_GRAD, self.params))
         # the buffer views themselves (detached: they keep pointing into the buffer even if a main_grad's .data is
         # swapped, e.g. by ``param.grad.data = x`` while param.grad aliases it); _reattach_main_grads restores them
         self._buffer_views = [m.detach() for m in self._main_grads]
@@ -181,10 +184,7 @@ class DataParallelEngine(nn.Module):
         if not buffers:
             return
         with torch.no_grad():
-            coalesced = getattr(dist, "_broadcast_coalesced", None)
-            if coalesced is not None:
-                # group-local source rank; copies back into the tensors it was given
-                coalesced(self.group, buffers, 250 * 1024 * 1024, 0)
+            if torch_compat.broadcast_coalesced(self.group, buffers, 250 * 1024 * 1024, 0):  # group-local source
                 return
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             for b in buffers:
@@ -192,8 +192,8 @@ class DataParallelEngine(nn.Module):
 
     # ----------------------------------------------------------------- hooks
     def _make_hook(self, param: nn.Parameter, bucket: Bucket, slot: int):
-        notify = _Reporter(self, param, bucket, slot)
-        set_grad_ready_reporter(param, notify)
+        notify = self.grad_ready.add(param, bucket, slot)
+        grad_added, set_grad_added, main_grad = protocol.grad_added, protocol.set_grad_added, protocol.main_grad
 
         def hook(*_unused) -> None:
             if grad_ready_deferred():
@@ -201,13 +201,13 @@ class DataParallelEngine(nn.Module):
                 return
             if not self.hooks_armed:  # a backward the engine does not own: plain accumulation into param.grad
                 return
-            if param.grad_added_to_main_grad:
-                param.grad_added_to_main_grad = False
+            if grad_added(param):
+                set_grad_added(param, False)
                 param.grad = None
             else:
                 grad = param.grad
                 if grad is not None:  # None after a graph replay: the graph wrote main_grad itself
-                    param.main_grad.add_(grad)
+                    main_grad(param).add_(grad)
                     param.grad = None
             notify()
 
@@ -220,41 +220,12 @@ class DataParallelEngine(nn.Module):
         so every rank issues the same sequence of collectives even when one rank misses a gradient: the
         mismatch is then reported by :meth:`finish_grad_sync` instead of pairing different buckets.
         Under :meth:`no_sync` nothing is counted (gradients only accumulate in ``main_grad``). This calls
-        the parameter's own notification closure, the one its hook and graph replays call (bound to its
-        bucket and slot, so the hot path does no lookups).
+        the parameter's own notifier, the one its hook and graph replays call (bound to its bucket and slot,
+        so the hot path does no lookups).
         """
-        grad_ready_reporter(param)()
+        self.grad_ready.notifier(param)()
 
-    def ready_batch(self, reporters: List["_Reporter"]) -> Callable[[], None]:
-        """A callable with the effect of calling each of ``reporters`` (this engine's) in order, counted per
-        bucket in one pass (:meth:`Bucket.register_many`); complete buckets are dispatched after the whole batch
-        is counted, in bucket order as always. A graph replay reports its parameters through one such call
-        (``graphs.state.batched_reporter``). With a ``ready_observer`` set, the reporters are called one by
-        one, so the observer sees every occurrence in order."""
-        reporters = list(reporters)
-        groups: Dict[int, tuple] = {}
-        for r in reporters:
-            groups.setdefault(id(r.bucket), (r.bucket, []))[1].append(r.slot)
-        plan = [(bucket, tuple(slots)) for bucket, slots in groups.values()]
-
-        def report_all() -> None:
-            self.reached = True
-            if self.ready_observer is not None:
-                for r in reporters:
-                    r()
-                return
-            if not self.sync_enabled:
-                return
-            complete = False
-            for bucket, slots in plan:
-                if bucket.register_many(slots):
-                    complete = True
-            if complete:
-                self._dispatch_ready_prefix()
-
-        return report_all
-
-    def _dispatch_ready_prefix(self) -> None:
+    def dispatch_ready_prefix(self) -> None:
         buckets = self.buckets
         while self._next_dispatch < len(buckets) and buckets[self._next_dispatch].complete:
             bucket = buckets[self._next_dispatch]
@@ -298,7 +269,7 @@ class DataParallelEngine(nn.Module):
                 b.set_golden()
             self.golden_known = True
             self._check_golden_across_ranks()
-            self._dispatch_ready_prefix()
+            self.dispatch_ready_prefix()
         for b in self.buckets:
             b.wait()
             b.reset()
@@ -401,11 +372,10 @@ class DataParallelEngine(nn.Module):
             )
 
     def close(self) -> None:
-        """Remove the hooks and grad-ready reporters; the module trains as if never wrapped."""
+        """Remove the hooks and grad-ready notifiers; the module trains as if never wrapped."""
         for handle in self._hook_handles:
             handle.remove()
-        for p in self.params:
-            set_grad_ready_reporter(p, None)
+        self.grad_ready.clear()
         self._hook_handles = []
         self._grad_accs = []
         if self._control_group is not None and dist.is_initialized():
@@ -420,14 +390,14 @@ class DataParallelEngine(nn.Module):
         (the usual case), in C-level ``map`` calls rather than a Python loop over the parameters."""
         params, mains = self.params, self._main_grads
         self.grads_exposed = True
-        if self._main_grads_same_dtype and all(map(operator.is_, map(_MAIN_GRAD, params), mains)):
+        if self._main_grads_same_dtype and all(map(operator.is_, map(protocol.MAIN_GRAD, params), mains)):
             try:
                 deque(map(setattr, params, repeat("grad"), mains), maxlen=0)
                 return
             except RuntimeError:  # a parameter's dtype changed since setup (module.to(dtype)): cast below
                 pass
         for p in params:
-            g = p.main_grad
+            g = protocol.main_grad(p)
             p.grad = g if g.dtype is p.dtype else g.to(p.dtype)
 
     def expose_after_backward(self, completes_step: bool) -> None:
@@ -454,10 +424,11 @@ class DataParallelEngine(nn.Module):
         with torch.no_grad():
             for p in self.params:
                 g = p.grad
+                main = protocol.main_grad(p)
                 if g is None:
-                    p.main_grad.zero_()
-                elif g is not p.main_grad:
-                    p.main_grad.copy_(g)
+                    main.zero_()
+                elif g is not main:
+                    main.copy_(g)
                 p.grad = None
         self.grads_exposed = False
 
@@ -468,7 +439,7 @@ class DataParallelEngine(nn.Module):
         self._reattach_main_grads(keep_values=False)
         for p in self.params:
             p.grad = None
-            p.grad_added_to_main_grad = False
+            protocol.set_grad_added(p, False)
         self.grads_exposed = False
 
     def _reattach_main_grads(self, keep_values: bool) -> None:
@@ -490,26 +461,3 @@ class DataParallelEngine(nn.Module):
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(t.data, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
 
-
-class _Reporter:
-    """One parameter's grad-ready occurrence, reported to its engine: called by the parameter's hook and by
-    graph replays (``graphs.state.grad_ready_reporter``). Bound to its bucket and slot, so the hot path does no
-    lookups; ``batch`` lets a replay combine several into one call (:meth:`DataParallelEngine.ready_batch`)."""
-
-    __slots__ = ("engine", "param", "bucket", "slot", "batch")
-
-    def __init__(self, engine: DataParallelEngine, param: nn.Parameter, bucket: Bucket, slot: int) -> None:
-        self.engine = engine
-        self.param = param
-        self.bucket = bucket
-        self.slot = slot
-        self.batch = engine.ready_batch
-
-    def __call__(self) -> None:
-        engine = self.engine
-        engine.reached = True
-        observer = engine.ready_observer
-        if observer is not None:
-            observer(self.param)
-        if engine.sync_enabled and self.bucket.register_ready(self.slot):
-            engine._dispatch_ready_prefix()

@@ -30,6 +30,9 @@ class CapturedGraph:
     """A captured body: ``outputs`` are its static tensors, ``replay()`` refreshes them."""
 
     outputs: List[Optional[torch.Tensor]]
+    #: the :mod:`.segments` state this graph is a member of, or ``None`` (a graph of its own; segment members
+    #: also say whether replaying their handle launches the segment's graph: ``launcher``)
+    segment = None
 
     def replay(self) -> None:  # pragma: no cover - interface
         raise NotImplementedError

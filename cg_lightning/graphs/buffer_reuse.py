@@ -23,6 +23,7 @@ from typing import List, Sequence
 
 import torch
 
+from ..torch_compat import non_owning_alias, version
 from .segments import SegmentError
 
 
@@ -73,7 +74,7 @@ def share_grad_outputs_with_next_grad_inputs(runner, nxt) -> None:
     grad_inputs = nxt._bwd.outputs[: len(nxt.static_inputs)]
     it = iter(grad_inputs)
     by_input = [next(it) if t.requires_grad else None for t in nxt.static_inputs]
-    for k in getattr(nxt, "shared_inputs", []):
+    for k in nxt.shared_inputs:
         if k < len(runner.static_grad_outputs) and runner.static_grad_outputs[k] is not None:
             g = by_input[k]
             if g is not None and _same_meta(g, runner.static_grad_outputs[k]):
@@ -94,17 +95,9 @@ def release_param_grad_outputs(runner) -> int:
     for k, clone in enumerate(runner.clone_slots):
         t = graph.outputs[n_in + k]
         if clone and t is not None:
-            graph.outputs[n_in + k] = _non_owning_alias(t)
+            graph.outputs[n_in + k] = non_owning_alias(t)
             released += t.untyped_storage().nbytes()
     return released
-
-
-def _non_owning_alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor viewing ``t``'s memory without keeping it allocated (the allocator may hand it out again)."""
-    storage = torch._C._construct_storage_from_data_pointer(
-        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes()
-    )
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
 def check_shared_inputs(runner, inputs: Sequence[torch.Tensor]) -> None:
@@ -116,11 +109,11 @@ def check_shared_inputs(runner, inputs: Sequence[torch.Tensor]) -> None:
         x = inputs[j]
         if x.data_ptr() != runner.static_inputs[j].data_ptr():
             problem = "was called with another tensor than the previous graphed call's output"
-        elif prev is not None and j < len(prev.returned_versions) and x._version != prev.returned_versions[j]:
+        elif prev is not None and j < len(prev.returned_versions) and version(x) != prev.returned_versions[j]:
             problem = "was handed the previous graphed call's output after it was changed in place"
         else:
             continue
-        if getattr(runner._fwd, "segment", None) is not None:
+        if runner.segment is not None:
             raise SegmentError(
                 f"graphed {runner.name!r} is inside a segment (graphs.segments=true) and {problem} (tensor input "
                 f"{j}); the segment's graph already computed it from the unchanged output. Keep the chain "

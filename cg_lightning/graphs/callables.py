@@ -117,6 +117,7 @@ def make_graphed_callables(
         module = fn if isinstance(fn, nn.Module) else nn.Module()
         modules.append(fn if isinstance(fn, nn.Module) else None)
         call = fn.forward if isinstance(fn, nn.Module) else fn
+        # a user callable: a functools.partial or a callable object has no __name__
         name = f"{type(fn).__name__}#{i}" if isinstance(fn, nn.Module) else getattr(fn, "__name__", f"callable#{i}")
         args = tuple(args)
         runners.append(

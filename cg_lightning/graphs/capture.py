@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
+from .. import protocol
 from .autocast import uncached_autocast
 from .buffer_reuse import (
     release_param_grad_outputs,
@@ -16,6 +17,7 @@ from .buffer_reuse import (
     share_inputs_with_previous_outputs,
 )
 from .main_grad_adds import MainGradAdds
+from .runner import GraphCaptureError
 from .segments import members_capturing, segment_capture
 
 
@@ -26,6 +28,7 @@ def capture_in_order(
     restore_grads: bool = True,
     reuse_buffers: bool = False,
     segments: Optional[List[List[int]]] = None,
+    on_failure: Optional[Callable[[object], None]] = None,
 ) -> None:
     """Warm up every runner, capture the forwards in order and the backwards in reverse order.
 
@@ -34,35 +37,45 @@ def capture_in_order(
     afterwards, and autocast's weight-cast cache is off throughout. ``reuse_buffers``: the runners form a
     chain and share static buffers (:mod:`cg_lightning.graphs.buffer_reuse`). ``segments``: runs of runner
     indices whose calls chain; each run of two or more shares buffers and is captured as one forward and
-    one backward graph (:mod:`cg_lightning.graphs.segments`).
+    one backward graph (:mod:`cg_lightning.graphs.segments`). ``on_failure(runner)``: called with the runner whose
+    warmup or capture raised :class:`GraphCaptureError`, before it propagates.
     """
-    real = [getattr(r, "runner", r) for r in runners]  # set_capture wraps runners to know which one failed
+    real = list(runners)
+
+    def run(runner, step) -> None:
+        try:
+            step()
+        except GraphCaptureError:
+            if on_failure is not None:
+                on_failure(runner)
+            raise
+
     groups = segments if segments is not None else [[i] for i in range(len(runners))]
     for r in real:  # each backward body adds its own (a segment's capture below shares one MainGradAdds)
         r.main_grad_adds = MainGradAdds(flush_bytes=0)
     with preserved_training_state(model, layers, restore_grads), uncached_autocast():
         for runner in runners:
             with runner.backend.warmup_stream():
-                runner.warmup()
+                run(runner, runner.warmup)
         for group in groups:
             if len(group) > 1:
-                _capture_segment_forward([runners[i] for i in group], [real[i] for i in group])
+                _capture_segment_forward([real[i] for i in group], run)
                 continue
             i = group[0]
             if reuse_buffers and i > 0:
                 share_inputs_with_previous_outputs(real[i - 1], real[i])
-            runners[i].capture_forward()
+            run(real[i], real[i].capture_forward)
         _sum_shared_params_through_autograd(real)
         for group in reversed(groups):
             members = [real[i] for i in group]
             if len(group) > 1 and all(any(r.output_requires_grad) for r in members):
-                _capture_segment_backward([runners[i] for i in group], members)
+                _capture_segment_backward(members, run)
                 members[0].segment.node_runners = members  # one autograd node for the whole segment
                 continue
             for i in reversed(group):
                 if reuse_buffers and i + 1 < len(runners):
                     share_grad_outputs_with_next_grad_inputs(real[i], real[i + 1])
-                runners[i].capture_backward()
+                run(real[i], real[i].capture_backward)
                 if reuse_buffers:
                     release_param_grad_outputs(real[i])
 
@@ -79,22 +92,22 @@ def _sum_shared_params_through_autograd(runners: Sequence) -> None:
             r.sum_through_autograd(shared)
 
 
-def _capture_segment_forward(wrapped: Sequence, members: Sequence) -> None:
+def _capture_segment_forward(members: Sequence, run) -> None:
     """The members' forward bodies in one capture region, each member's input the previous one's output."""
     with segment_capture(members[0].backend, members[0].pool) as seg, members_capturing(members, seg):
-        for j, (w, r) in enumerate(zip(wrapped, members)):
+        for j, r in enumerate(members):
             if j > 0:
                 share_inputs_with_previous_outputs(members[j - 1], r)
             r.defer_static_grad_outputs = True
             try:
-                w.capture_forward()
+                run(r, r.capture_forward)
             finally:
                 r.defer_static_grad_outputs = False
     for r in members:
         r.make_static_grad_outputs()
 
 
-def _capture_segment_backward(wrapped: Sequence, members: Sequence) -> None:
+def _capture_segment_backward(members: Sequence, run) -> None:
     """The members' backward bodies, last member first, in one capture region; each member's gradient
     output buffer is the next member's gradient-input buffer."""
     adds = MainGradAdds()  # the members' main_grad additions, launched together (main_grad_adds)
@@ -104,7 +117,7 @@ def _capture_segment_backward(wrapped: Sequence, members: Sequence) -> None:
         for j in reversed(range(len(members))):
             if j + 1 < len(members):
                 share_grad_outputs_with_next_grad_inputs(members[j], members[j + 1])
-            wrapped[j].capture_backward()
+            run(members[j], members[j].capture_backward)
         seg.add(adds.flush)  # the last body of the segment's backward: what is still pending
 
 
@@ -112,7 +125,7 @@ def _capture_segment_backward(wrapped: Sequence, members: Sequence) -> None:
 def preserved_training_state(model: nn.Module, layers: List[nn.Module], restore_grads: bool = True):
     """Restore ``main_grad``, ``param.grad``, layer buffers and RNG states after warmup and capture."""
     params = list(model.parameters())
-    main_grads = [p.main_grad.clone() if hasattr(p, "main_grad") else None for p in params]
+    main_grads = [protocol.main_grad(p).clone() if protocol.has_main_grad(p) else None for p in params]
     grads = [p.grad for p in params]
     buffers = []
     for layer in layers:
@@ -126,7 +139,7 @@ def preserved_training_state(model: nn.Module, layers: List[nn.Module], restore_
         with torch.no_grad():
             for p, mg, g in zip(params, main_grads, grads):
                 if mg is not None:
-                    p.main_grad.copy_(mg)
+                    protocol.main_grad(p).copy_(mg)
                 if restore_grads:
                     p.grad = g
             for b, c in zip(buffers, buffer_copies):

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from ..torch_compat import reentrant_checkpoint_calls
 from .autocast import autocast_as, autocast_state
 from .discovery import leaves_inside
 from .state import is_graph_capturing, is_graph_warmup
@@ -250,18 +251,9 @@ def bypass_reentrant_checkpoint() -> Iterator[None]:
     ``CheckpointFunction.apply``; inside this context that call runs ``fn(*args)`` instead, the same
     bypass :func:`checkpoint` applies. Non-reentrant checkpointing is untouched (it works under capture).
     """
-    cls = torch_checkpoint.CheckpointFunction
-    had_own = "apply" in cls.__dict__
-    original = cls.__dict__.get("apply")
 
     def _direct(function, preserve_rng_state, *args):
         return _bypassed_call(function, args)
 
-    cls.apply = staticmethod(_direct)
-    try:
+    with reentrant_checkpoint_calls(_direct):
         yield
-    finally:
-        if had_own:
-            cls.apply = original
-        else:
-            del cls.apply

@@ -5,8 +5,8 @@ A replay node normally takes its layer's eagerly visible parameters as extra inp
 their ``AccumulateGrad`` nodes (and the DDP engine's hooks there) after the backward replay, exactly as in
 eager execution. For a parameter whose gradient the captured backward already added into ``main_grad``,
 that edge carries nothing but the notification, at the price of one autograd input, one
-``AccumulateGrad`` node and one Python hook per parameter and step (the largest host cost left in the
-tiny-size profile of session 4, ``benchmarks/NOTES.md``).
+``AccumulateGrad`` node and one Python hook per parameter and step (at small model sizes the largest host
+cost of a replayed step).
 
 The replay can report such a parameter itself, but only if nothing else reaches its ``AccumulateGrad``:
 eager autograd sums every use of a parameter before its node runs and reports it once per outer
@@ -71,7 +71,7 @@ def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, Li
     if root is None:
         return {}
     for node, nxt in autograd_edges(root):
-        var = getattr(nxt, "variable", None)  # set on AccumulateGrad nodes
+        var = getattr(nxt, "variable", None)  # a torch autograd node: only AccumulateGrad nodes have one
         if var is not None and id(var) in pending:
             producers.setdefault(id(var), []).append(node)
             params[id(var)] = var
@@ -79,6 +79,7 @@ def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, Li
     for pid, nodes in producers.items():
         runner = pending[pid]
         node = nodes[0]
+        # a torch autograd node: only the replay nodes' contexts carry ``runner`` / ``runners``
         if len(nodes) == 1 and (getattr(node, "runner", None) is runner or runner in getattr(node, "runners", ())):
             out.setdefault(runner, []).append(params[pid])
     return out

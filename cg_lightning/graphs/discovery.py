@@ -34,7 +34,7 @@ def leaf_tensors(outputs: Iterable[torch.Tensor]) -> List[torch.Tensor]:
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        variable = getattr(node, "variable", None)
+        variable = getattr(node, "variable", None)  # a torch autograd node: only AccumulateGrad nodes have one
         if isinstance(variable, torch.Tensor):
             found.setdefault(id(variable), variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
@@ -83,7 +83,7 @@ def leaves_inside(outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor
         if node is None or id(node) in seen or id(node) in stop_nodes:
             continue
         seen[id(node)] = node
-        variable = getattr(node, "variable", None)
+        variable = getattr(node, "variable", None)  # a torch autograd node: only AccumulateGrad nodes have one
         if isinstance(variable, torch.Tensor):
             if id(variable) not in stop_leaves:
                 found.add(id(variable))

@@ -9,7 +9,8 @@ training graph and never recaptures one.
 Per key: the first call runs eagerly (it is the warmup, on the capture stream for CUDA), the second is
 captured and every later one copies its tensor arguments into the static inputs and replays. Outputs are
 cloned out of the static buffers by default, so a tensor a ``validation_step`` keeps (predictions
-collected over an epoch) is not overwritten by the next replay (seed 4 of DESIGN.md, applied to outputs).
+collected over an epoch) is not overwritten by the next replay (eager lifetime semantics, as for returned
+parameter gradients: pytorch/pytorch#181723).
 A layer whose capture fails (a host sync, a submodule hook, non-tensor outputs), that modifies an input in
 place (seen in its warmup call) or that gets a submodule hook after capture (checked at every replay) runs
 eagerly in eval from then on, with one warning naming it: evaluation graphs are an optimisation and never
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
-from torch.utils import _pytree as pytree
+from .. import torch_compat
 
 from .autocast import autocast_as, autocast_state
 from .buffer_reuse import copy_into_static
@@ -146,7 +147,7 @@ class EvalGraphs:
         def body():
             with autocast_as(entry.autocast):
                 out = forward(*static_args, **static_kwargs)
-            leaves, entry.out_spec = pytree.tree_flatten(out)
+            leaves, entry.out_spec = torch_compat.tree_flatten(out)
             bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
             if bad:
                 raise RuntimeError(f"the layer returns non-tensor outputs ({', '.join(bad)})")
@@ -171,7 +172,7 @@ class EvalGraphs:
         outs = entry.graph.outputs
         if self.clone_outputs:
             outs = [o.clone() for o in outs]
-        return pytree.tree_unflatten(list(outs), entry.out_spec)
+        return torch_compat.tree_unflatten(list(outs), entry.out_spec)
 
     def clear(self) -> None:
         """Drop every eval graph (the pool is freed once nothing refers to it)."""
@@ -182,10 +183,10 @@ class EvalGraphs:
 def _snapshot(t: torch.Tensor):
     """What tells whether ``t`` is modified in place: its version counter, or for an inference tensor (no
     counter) a copy."""
-    return t.clone() if t.is_inference() else t._version
+    return t.clone() if t.is_inference() else torch_compat.version(t)
 
 
 def _changed(t: torch.Tensor, before) -> bool:
     if isinstance(before, torch.Tensor):
         return not torch.allclose(t, before, rtol=0, atol=0, equal_nan=True)
-    return t._version != before
+    return torch_compat.version(t) != before

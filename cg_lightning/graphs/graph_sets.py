@@ -106,7 +106,7 @@ class GraphSetCache:
         layer is a member of a segment is dropped whole: the segment's graphs include that layer's work."""
         self.sets = [
             s for s in self.sets
-            if not any(k[0] == id(layer) and getattr(r, "segment", None) is not None for k, r in s.runners.items())
+            if not any(k[0] == id(layer) and r.segment is not None for k, r in s.runners.items())
         ]
         for s in self.sets:
             for key in [k for k in s.runners if k[0] == id(layer)]:

@@ -23,7 +23,14 @@ from typing import List, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..torch_compat import (
+    TorchDispatchMode,
+    global_module_hooks,
+    grad_hooks,
+    module_hooks,
+    post_accumulate_grad_hooks,
+)
 
 _aten = torch.ops.aten
 
@@ -39,6 +46,7 @@ _SYNC_OP_NAMES = {
     "is_nonzero": "bool(tensor) (data-dependent control flow)",
 }
 SYNC_OPS = {
+    # aten operators by name: the set present differs between torch versions
     getattr(_aten, name).default: what for name, what in _SYNC_OP_NAMES.items() if hasattr(_aten, name)
 }
 
@@ -114,11 +122,8 @@ class refuse_host_sync:
 def hook_dicts(layer: torch.nn.Module) -> List[dict]:
     """The hook dictionaries :func:`hooks_inside` reads (submodules' and the global ones), for a cheap
     ``any(dicts)`` re-check after capture: a hook added later lands in one of these same dictionaries."""
-    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-    found = [getattr(m, k) for name, m in layer.named_modules() if m is not layer for k in kinds if hasattr(m, k)]
-    g = torch.nn.modules.module
-    found += [getattr(g, a) for a in ("_global_forward_pre_hooks", "_global_forward_hooks",
-                                      "_global_backward_pre_hooks", "_global_backward_hooks") if hasattr(g, a)]
+    found = [hooks for name, m in layer.named_modules() if m is not layer for hooks in module_hooks(m).values()]
+    found += list(global_module_hooks().values())
     return found
 
 
@@ -128,21 +133,17 @@ def hooks_inside(layer: torch.nn.Module) -> List[str]:
     ``register_post_accumulate_grad_hook``: a replay computes those gradients inside the graph)."""
     found = []
     for name, p in layer.named_parameters():
-        if getattr(p, "_backward_hooks", None):
+        if grad_hooks(p):
             found.append(f"gradient hook (register_hook) on parameter {name!r}")
-        if getattr(p, "_post_accumulate_grad_hooks", None):
+        if post_accumulate_grad_hooks(p):
             found.append(f"post-accumulate-grad hook on parameter {name!r}")
-    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
     for name, module in layer.named_modules():
         if module is layer:
             continue
-        for kind in kinds:
-            hooks = getattr(module, kind, None)
+        for kind, hooks in module_hooks(module).items():
             if hooks:
-                found.append(f"{kind.strip('_').replace('_', ' ')[:-1]} on submodule {name!r}")
-    g = torch.nn.modules.module
-    for attr in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
-                 "_global_backward_hooks"):
-        if getattr(g, attr, None):
-            found.append(f"global module hook ({attr.strip('_').replace('_', ' ')})")
+                found.append(f"{kind.replace('_', ' ')[:-1]} on submodule {name!r}")
+    for kind, hooks in global_module_hooks().items():
+        if hooks:
+            found.append(f"global module hook ({kind.replace('_', ' ')})")
     return found

@@ -3,8 +3,8 @@
 A backward body ends with ``main_grad += gradient`` for each of its parameters (fp32, the parameter's shape).
 One ``torch._foreach_add_`` per layer does that in one launch, but at small sizes one layer's gradients are
 too few elements to fill the GPU: on an H200 at the benchmark's tiny size (d=256, 12 parameters and about
-0.8 M elements per block) each such kernel took about 16 us where the bytes moved need about 2 us
-(``benchmarks/NOTES.md``, session 8). Inside a segment (one backward graph for several layers, nothing
+0.8 M elements per block) each such kernel took about 16 us where the bytes moved need about 2 us.
+Inside a segment (one backward graph for several layers, nothing
 observes ``main_grad`` between its members) the additions can wait: :class:`MainGradAdds` keeps them and
 launches them together, when the pending gradients reach ``flush_bytes`` or at the end of the segment's
 backward body.
@@ -18,7 +18,7 @@ Only a member's own parameters wait. A share that a nested recomputation left fo
 module (a *foreign* parameter) goes in at once (:meth:`MainGradAdds.add` with ``defer=False``): an earlier
 member may write that parameter's ``main_grad`` itself, in its backward (a fused weight-gradient kernel that
 accumulates into ``main_grad``, Megatron-LM's gradient-accumulation fusion), and eager training adds the
-nested share before that write (found by the session-8 review: 3.7e-9 apart after 8 steps with accumulation).
+nested share before that write (adding it later ends 3.7e-9 apart after 8 steps with accumulation).
 A member's own parameter cannot be written by another member: a parameter two graphed calls reach is summed
 through autograd and never queued, and a layer whose outputs depend on a parameter it neither owns nor
 recomputes is refused at capture.
@@ -29,6 +29,8 @@ from __future__ import annotations
 from typing import List, Sequence, Set
 
 import torch
+
+from ..torch_compat import foreach_add_
 
 #: default bound on the bytes of gradients kept pending (the tiny benchmark's 12 blocks need 36 MB)
 FLUSH_BYTES = 64 * 2**20
@@ -69,6 +71,6 @@ class MainGradAdds:
         """Launch the pending additions (none pending: nothing launched). Returns ``[]``, so that it can be a
         segment member's body with no outputs."""
         if self._mains:
-            torch._foreach_add_(self._mains, self._addends)
+            foreach_add_(self._mains, self._addends)
         self._mains, self._addends, self._pending, self._bytes = [], [], set(), 0
         return []

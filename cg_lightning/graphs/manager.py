@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from .. import protocol, torch_compat
 from . import direct_ready
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
@@ -133,6 +134,14 @@ class GraphManager:
         self._segment_ends: Set[Tuple[int, int]] = set()  # graphs.segments: (id(layer), index) of recorded calls
         # after which some recorded micro-batch showed a reason to end a segment (segments.breaks_between)
         self._replayed: set = set()
+        #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
+        self.grad_ready = None
+
+    def bind_grad_ready(self, reporter) -> None:
+        """Hand this manager the grad-ready reporter of the data-parallel engine that owns the model's
+        parameters (``DataParallelEngine.grad_ready``, :mod:`cg_lightning.protocol`): replays report to it. Call
+        it before the capture, right after building the engine."""
+        self.grad_ready = reporter
 
     # ----------------------------------------------------------------- state
     @property
@@ -250,8 +259,8 @@ class GraphManager:
                 self.stats.fallback_calls += 1
             if self.options.segments:
                 if args and isinstance(args[0], torch.Tensor):
-                    record.input_version = args[0]._version
-                    record.input_hooks = tuple(args[0]._backward_hooks or ())
+                    record.input_version = torch_compat.version(args[0])
+                    record.input_hooks = tuple(torch_compat.grad_hooks(args[0]) or ())
                 record.rng_before = rng_state(self.device)
             out = layer.forward(*args, **kwargs)
             record.grad_output_layouts = watch_grad_layouts(out)  # before output_hooks: the hook is part of them
@@ -259,16 +268,16 @@ class GraphManager:
                 record.rng_after = rng_state(self.device)
             if self.options.segments and isinstance(out, torch.Tensor):
                 record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
-                record.output_version = out._version
+                record.output_version = torch_compat.version(out)
                 record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
-                record.output_hooks = tuple(out._backward_hooks or ())
+                record.output_hooks = tuple(torch_compat.grad_hooks(out) or ())
             return out
         if self._mode == "eager":
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
         runner = self._active.runners.get((key, index))
         follows = runner is not None and runner.segment is not None and not runner.segment_launcher
-        if follows and layer.module._forward_pre_hooks:
+        if follows and torch_compat.module_hooks(layer.module)["forward_pre_hooks"]:
             raise SegmentError(
                 f"graphed {layer.name!r} is inside a segment (graphs.segments=true) and got a forward pre-hook "
                 "after capture: the segment's graph ran this layer at the segment's first call, before the hook. "
@@ -426,6 +435,7 @@ class GraphManager:
         if self.pool is None:
             self.pool = self.backend.new_pool()
         calls = [c for c in record.calls if c.layer.failure is None]
+        self._require_grad_ready(calls)
         for call in calls:
             call.ends_segment = (id(call.layer), call.index) in self._segment_ends
         calls, runners = capture_calls(calls, self._runner, self.model, self.options.on_capture_error,
@@ -466,7 +476,20 @@ class GraphManager:
             num_warmup_iters=self.options.num_warmup_iters,
             autocast=call.autocast,
             grad_output_layouts=call.grad_output_layouts,
+            grad_ready=self.grad_ready,
         )
+
+    def _require_grad_ready(self, calls) -> None:
+        """Raise if graphs would add into ``main_grad`` but no engine's grad-ready reporter was bound: their
+        replays could not report the parameters they finalize, and the engine would miss them."""
+        if self.grad_ready is not None or not self.accumulate_into_main_grad:
+            return
+        if any(protocol.has_main_grad(p) for c in calls for p in c.layer.module.parameters()):
+            raise RuntimeError(
+                "GraphManager: the graphed layers' parameters have main_grad (a DataParallelEngine owns them) but "
+                "no grad-ready reporter was bound; call manager.bind_grad_ready(engine.grad_ready) right after "
+                "building the engine, before the first capture."
+            )
 
     def _mark_failed(self, layer: _Layer, exc: BaseException) -> None:
         layer.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -486,6 +509,4 @@ class GraphManager:
 
 
 def _detach_tree(tree):
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
+    return torch_compat.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..torch_compat import will_engine_execute_node
+
 
 class ReplayFunction(torch.autograd.Function):
     """Replays a :class:`~cg_lightning.graphs.runner.LayerGraphRunner`'s forward and backward graphs.
@@ -18,6 +20,7 @@ class ReplayFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner, *tensors):
         ctx.runner = runner
+        ctx.backward_ran = False
         outputs = runner.replay_forward(tensors[: runner.num_inputs])
         ctx.generation = runner.forward_generation
         non_diff = [o for o, g in zip(outputs, runner.output_requires_grad) if not g]
@@ -38,7 +41,7 @@ class ReplayFunction(torch.autograd.Function):
 def check_second_backward(ctx, runner) -> None:
     """Raise if this node's backward already ran (its captured backward reads what its forward left in the
     static buffers, once)."""
-    if getattr(ctx, "backward_ran", False):
+    if ctx.backward_ran:
         raise RuntimeError(
             f"graphed {runner.name!r}: a second backward pass reached the same call (backward or "
             "torch.autograd.grad with retain_graph=True, then another one). Its captured backward runs once "
@@ -71,6 +74,6 @@ def _leaves_accumulate(ctx, n_edges: int) -> bool:
     if not nodes:
         return True
     try:
-        return any(torch._C._will_engine_execute_node(node) for node in nodes)
+        return any(will_engine_execute_node(node) for node in nodes)
     except RuntimeError:  # "a leaf node was passed ... while running autograd.grad()": nothing accumulates
         return False

@@ -12,13 +12,10 @@ applied twice per step has two runners) and one :class:`CallSignature`. Its life
 Gradient routing in the captured backward (Megatron-LM PR #6373): for every parameter in
 ``params_to_backprop`` the outer weight gradient (``autograd.grad`` result) and the gradient a nested
 recomputation backward left in ``param.grad`` are added, each once. With ``accumulate_into_main_grad`` the
-sum goes into ``param.main_grad`` inside the graph and the replay returns ``None`` for that parameter.
-It does *not* set ``param.grad_added_to_main_grad``: that flag tells the DDP hook to skip a ``param.grad``
-that merely stands for work already in ``main_grad`` (a fused kernel's placeholder); after a replay,
-``param.grad`` holds only contributions from outside the graphs (a weight also used by the head), which
-the hook must add. Otherwise the sum is returned to autograd, cloned unless
-the caller opted out or the parameter is a delayed-wgrad one (TransformerEngine PR #2937,
-pytorch/pytorch#181723). The policy is frozen at capture.
+sum goes into ``main_grad`` inside the graph and the replay returns ``None`` for that parameter (the
+contract, and why a replay does not set ``grad_added_to_main_grad``, is :mod:`cg_lightning.protocol`).
+Otherwise the sum is returned to autograd, cloned unless the caller opted out or the parameter is a
+delayed-wgrad one (TransformerEngine PR #2937, pytorch/pytorch#181723). The policy is frozen at capture.
 
 Grad-ready counts equal eager execution's, call by call (Megatron-LM PR #6242). In eager execution a
 parameter reports ready once in the outer backward if that backward reaches it at all (autograd sums
@@ -54,8 +51,9 @@ from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
 from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reachable_leaves
 from .main_grad_adds import MainGradAdds
 from .signature import CallSignature
-from .state import batched_reporter, graph_capture, graph_warmup, grad_ready_reporter, recording_grad_ready
-from torch.utils import _pytree as pytree
+from .state import graph_capture, graph_warmup, recording_grad_ready
+from .. import protocol
+from .. import torch_compat
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getter for the per-replay frozen check
 _TRAINING = operator.attrgetter("training")
@@ -66,7 +64,7 @@ class GraphCaptureError(RuntimeError):
 
 
 def _flat_outputs(out) -> tuple:
-    leaves, spec = pytree.tree_flatten(out)
+    leaves, spec = torch_compat.tree_flatten(out)
     return leaves, spec
 
 
@@ -148,8 +146,11 @@ class LayerGraphRunner:
         num_warmup_iters: int = 1,
         autocast: Optional[tuple] = None,
         grad_output_layouts: Optional[list] = None,
+        grad_ready=None,
     ) -> None:
         self.name = name
+        #: the data-parallel engine's grad-ready reporter (:mod:`cg_lightning.protocol`), ``None`` without one
+        self.grad_ready = grad_ready
         self.grad_output_layouts = grad_output_layouts
         self.autocast = autocast  # the call's own autocast settings (capture.autocast_state), None: ambient
         self.module = module
@@ -187,7 +188,7 @@ class LayerGraphRunner:
         self.outputs_shared = False
         self.returned_versions: List[int] = []
         self.replay_plan: List[Callable[[], None]] = []
-        self._report_all: Callable[[], None] = batched_reporter(())  # replay_plan + direct, in one call
+        self._report_all: Callable[[], None] = protocol.report_each(())  # replay_plan + direct, in one call
         self.clone_slots: List[bool] = []
         self.output_requires_grad: List[bool] = []
         self._out_spec = None
@@ -270,7 +271,7 @@ class LayerGraphRunner:
                 hooks (an enclosing non-reentrant ``torch.utils.checkpoint``).
         """
         self._refuse_hooks()
-        if _saved_tensor_hooks_active():
+        if torch_compat.saved_tensor_hooks_active():
             raise GraphCaptureError(
                 f"could not capture layer {self.name!r}: it runs under saved-tensor hooks, e.g. inside a "
                 "non-reentrant torch.utils.checkpoint around the layer, whose recomputation would replay the "
@@ -342,7 +343,7 @@ class LayerGraphRunner:
         self._bypassed_regions = regions
         marker = object()
         single = len(self._autograd_outputs) == 1
-        self._single_output = single and pytree.tree_unflatten([marker], self._out_spec) is marker
+        self._single_output = single and torch_compat.tree_unflatten([marker], self._out_spec) is marker
         outs = self._autograd_outputs
         self.output_requires_grad = [o.requires_grad for o in outs]
         self._visible = reachable_leaves(outs)
@@ -354,14 +355,14 @@ class LayerGraphRunner:
         self._unseen_if_frozen = list(self.hidden_params)
         self._anchors = [self._anchor] if id(self._anchor) in self._visible else []
         self._main_grad_params = [
-            p for p in self.params_to_backprop if self.accumulate_into_main_grad and hasattr(p, "main_grad")
+            p for p in self.params_to_backprop if self.accumulate_into_main_grad and protocol.has_main_grad(p)
         ]
         into_main_grad = set(map(id, self._main_grad_params))
         self.edge_params = [
             p for p in self.params_to_backprop if id(p) not in into_main_grad or id(p) in self._eager_visible
         ]
         self.clone_slots = [
-            self.clone_param_grads_on_return and not getattr(p, "skip_backward_post_hook", False)
+            self.clone_param_grads_on_return and not protocol.skips_backward_post_hook(p)
             for p in self.edge_params
         ]
         self.apply_edges = list(self.edge_params)  # the parameters the replay node takes as inputs
@@ -416,7 +417,7 @@ class LayerGraphRunner:
             raise ValueError(f"graphed {self.name!r}: only edge parameters accumulated into main_grad can be "
                              "reported by the replay")
         direct = [p for p in self.edge_params if id(p) in chosen]
-        notifiers = [grad_ready_reporter(p) for p in direct]
+        notifiers = [protocol.notifier_of(self.grad_ready, p) for p in direct]
         if any(n is None for n in notifiers):
             raise ValueError(f"graphed {self.name!r}: a parameter without a grad-ready reporter (no DDP engine)")
         self._returned_edges = [(k, clone) for k, (p, clone) in enumerate(zip(self.edge_params, self.clone_slots))
@@ -425,7 +426,7 @@ class LayerGraphRunner:
         self.direct_params = direct
         self._unseen_if_frozen = self.hidden_params + direct  # disjoint: direct ones are eagerly visible
         self._direct_notifiers = notifiers
-        self._report_all = batched_reporter(self.replay_plan + notifiers)
+        self._report_all = protocol.batch_notifiers(self.grad_ready, self.replay_plan + notifiers)
 
     def make_static_grad_outputs(self) -> None:
         """Allocate the buffers the backward graph reads its output gradients from. Outside any capture
@@ -520,7 +521,7 @@ class LayerGraphRunner:
         edges = set(map(id, self.edge_params))
         # (main_grad, gradient) pairs, added by multi-tensor kernels (main_grad_adds): the same elementwise
         # additions as one main_grad.add_ per parameter, in order (bit-identical), in a few kernels instead of
-        # one per parameter (benchmarks/NOTES.md, session 7: 149 add kernels, about 0.3 ms per step)
+        # one per parameter (at the tiny benchmark size: 149 add kernels, about 0.3 ms per step)
         mains: List[torch.Tensor] = []
         addends: List[torch.Tensor] = []
         for p, wgrad, old in zip(params, wgrads, stashed):
@@ -529,7 +530,7 @@ class LayerGraphRunner:
             total = wgrad if nested is None else (nested if wgrad is None else wgrad + nested)
             if id(p) in into_main_grad:
                 if total is not None:
-                    mains.append(p.main_grad)
+                    mains.append(protocol.main_grad(p))
                     addends.append(total)
                 total = None
             if id(p) in edges:
@@ -541,8 +542,8 @@ class LayerGraphRunner:
         foreign_addends: List[torch.Tensor] = []
         for p in foreign:
             nested, p.grad = p.grad, None
-            if nested is not None and hasattr(p, "main_grad"):
-                foreign_mains.append(p.main_grad)
+            if nested is not None and protocol.has_main_grad(p):
+                foreign_mains.append(protocol.main_grad(p))
                 foreign_addends.append(nested)
         self.main_grad_adds.add(foreign_mains, foreign_addends, defer=False)
         return input_grads + param_slots
@@ -581,7 +582,7 @@ class LayerGraphRunner:
             self._recording = None
         self._foreign_params = self._foreign_in(occurrences)
         self.replay_plan = self._build_replay_plan(occurrences)
-        self._report_all = batched_reporter(self.replay_plan + self._direct_notifiers)
+        self._report_all = protocol.batch_notifiers(self.grad_ready, self.replay_plan + self._direct_notifiers)
         self.recorded_occurrences = [p for p, _ in occurrences]
 
     def _build_replay_plan(self, occurrences) -> List[Callable[[], None]]:
@@ -591,7 +592,7 @@ class LayerGraphRunner:
         for region in reversed(self._bypassed_regions):  # nested backwards run in reverse region order
             for pid in region:
                 param = by_id.get(pid)
-                notify = grad_ready_reporter(param) if param is not None else None
+                notify = protocol.notifier_of(self.grad_ready, param) if param is not None else None
                 if notify is not None:
                     events.append((param, notify))
         edges = set(map(id, self.edge_params))
@@ -623,17 +624,17 @@ class LayerGraphRunner:
         self.replays += 1
         outputs = self._fwd.outputs
         if self.outputs_shared:
-            self.returned_versions = [o._version for o in outputs]
+            self.returned_versions = list(map(torch_compat.VERSION, outputs))
         return tuple(o.detach() for o in outputs)
 
     @property
     def segment(self):
         """The :mod:`.segments` state this runner's forward belongs to, or ``None``."""
-        return getattr(self._fwd, "segment", None)
+        return None if self._fwd is None else self._fwd.segment
 
     @property
     def segment_launcher(self) -> bool:
-        return getattr(self._fwd, "launcher", True)
+        return self._fwd is None or self._fwd.segment is None or self._fwd.launcher
 
     def check_generation(self, generation: int) -> None:
         """Raise if the forward replay whose backward is due was followed by another forward replay."""
@@ -649,7 +650,7 @@ class LayerGraphRunner:
         """Returns gradients for the input tensors, then for ``apply_edges``."""
         if self._bwd is None:
             return (None,) * (self.num_inputs + len(self.apply_edges))
-        if getattr(self._bwd, "launcher", True):  # else a segment member: the segment's graph filled the buffers
+        if self._bwd.segment is None or self._bwd.launcher:  # else a segment member: the segment's graph filled the buffers
             with torch.no_grad():
                 for static, g in zip(self.static_grad_outputs, grad_outputs):
                     if static is None:
@@ -675,17 +676,12 @@ class LayerGraphRunner:
     def output_structure(self, flat: tuple):
         if self._single_output:
             return flat[0]
-        return pytree.tree_unflatten(list(flat), self._out_spec)
+        return torch_compat.tree_unflatten(list(flat), self._out_spec)
 
 
 def _describe_autocast(state: tuple) -> str:
     on = [f"{dt} {str(dtype).replace('torch.', '')}" for dt, enabled, dtype in state if enabled]
     return "enabled for " + ", ".join(on) if on else "disabled"
-
-
-def _saved_tensor_hooks_active() -> bool:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is not None
 
 
 def _capture_failure(name: str, what: str, exc: BaseException) -> str:

@@ -2,8 +2,7 @@
 
 With per-member nodes, each of the 12 block calls of a chained segment went through
 ``ReplayFunction.apply`` and left a backward node whose only work, for all but one, was an identity check
-(``benchmarks/NOTES.md``, session 6 profile: the layer dispatch and the replay nodes were the largest host
-costs of ours). Here the segment's first call applies :class:`SegmentFunction` once: its forward replays every
+(in a profile of a replayed step the layer dispatch and the replay nodes were the largest host costs). Here the segment's first call applies :class:`SegmentFunction` once: its forward replays every
 member (the first launches the segment's forward graph; the others only run their checks and return their
 static outputs) and returns the outputs of *all* members, which therefore all have this node as
 ``grad_fn``. Each following member's call gets its output handed from the segment (:class:`HandedOutputs`)
@@ -26,11 +25,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..torch_compat import VERSION as _VERSION, grad_hooks
 from .replay import check_second_backward, check_leaves_accumulate
 from .buffer_reuse import check_shared_inputs
 from .segments import SegmentError, rng_moved, rng_state
 
-_VERSION = operator.attrgetter("_version")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
@@ -141,7 +140,7 @@ def follow(runner, args: tuple, kwargs: dict, device: torch.device):
             + "\nA segment replays all or none of its layers. Set graphs.segments=false for this model."
         )
     check_shared_inputs(runner, args)  # changed in place since it was returned: SegmentError
-    if expected._backward_hooks or expected.retains_grad:
+    if grad_hooks(expected) or expected.retains_grad:
         raise SegmentError(hook_on_intermediate(segment.node_runners, runner))
     if tuple(map(_VERSION, runner.module_params)) != versions:
         raise SegmentError(
@@ -172,6 +171,7 @@ class SegmentFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an output nobody used gets None: the intermediate outputs
         runners = segment.node_runners
         ctx.segment = segment
+        ctx.backward_ran = False
         ctx.runners = runners
         ctx.runner = runners[0]
         x = tensors[: runners[0].num_inputs]
@@ -213,7 +213,7 @@ class SegmentFunction(torch.autograd.Function):
         held = handed.intermediate
         handed.release()
         for k, t in enumerate(held):
-            if t._backward_hooks or t.retains_grad:
+            if grad_hooks(t) or t.retains_grad:
                 raise SegmentError(hook_on_intermediate(runners, runners[k + 1]))
         del held
         for r, generation in zip(runners, ctx.generations):

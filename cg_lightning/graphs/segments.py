@@ -35,7 +35,8 @@ from typing import Iterator, List, Sequence
 
 import torch
 
-from .backends import _detached, _EagerGraph
+from ..torch_compat import global_module_hooks, module_hooks
+from .backends import CapturedGraph, _detached, _EagerGraph
 from .discovery import autograd_edges
 
 
@@ -66,7 +67,7 @@ def find_segments(calls: Sequence) -> List[List[int]]:
 
 
 def _chains(prev, call) -> bool:
-    out = getattr(prev, "output", None)
+    out = prev.output
     if out is None or call.kwargs or len(call.args) != 1 or not isinstance(call.args[0], torch.Tensor):
         return False
     if not call.signature.positional_tensors:
@@ -88,14 +89,12 @@ def breaks_between(prev, call) -> bool:
 
 
 def _module_hooks_between(first: torch.nn.Module, second: torch.nn.Module) -> bool:
-    from torch.nn.modules import module
-
+    a, b = module_hooks(first), module_hooks(second)
     return bool(
-        second._forward_pre_hooks or first._forward_hooks
-        or first._backward_hooks or getattr(first, "_backward_pre_hooks", None)
-        or second._backward_hooks or getattr(second, "_backward_pre_hooks", None)
-        or module._global_forward_pre_hooks or module._global_forward_hooks
-        or module._global_backward_hooks or getattr(module, "_global_backward_pre_hooks", None)
+        b.get("forward_pre_hooks") or a.get("forward_hooks")
+        or a.get("backward_hooks") or a.get("backward_pre_hooks")
+        or b.get("backward_hooks") or b.get("backward_pre_hooks")
+        or any(global_module_hooks().values())
     )
 
 
@@ -133,7 +132,7 @@ def mark_outside_uses(loss: torch.Tensor, calls: Sequence) -> int:
     every visited node wrapper is kept alive so that ``id`` stays an identity (torch creates wrappers on
     access, and a new one may reuse a freed one's address).
     """
-    root = getattr(loss, "grad_fn", None)
+    root = loss.grad_fn
     if root is None:
         return 0
     targets = {}  # id(output node of call k) -> (call k, nodes of call k+1's own graph)
@@ -161,7 +160,7 @@ def _nodes_between(start, stop) -> dict:
     return found
 
 
-class _Member:
+class _Member(CapturedGraph):
     """A member's graph handle: its static ``outputs``; ``replay()`` launches the segment (launcher only)."""
 
     def __init__(self, segment, outputs, launcher: bool) -> None:

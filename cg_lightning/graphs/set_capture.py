@@ -34,8 +34,9 @@ def capture_calls(
         runners = [make_runner(c) for c in calls]
         blamed: List[LayerGraphRunner] = []
         try:
-            capture_in_order([_Blame(r, blamed) for r in runners], model, [c.layer.module for c in calls],
-                             segments=segments_of(calls) if segments_of is not None else None)
+            capture_in_order(runners, model, [c.layer.module for c in calls],
+                             segments=segments_of(calls) if segments_of is not None else None,
+                             on_failure=blamed.append)
             return calls, runners
         except GraphCaptureError as exc:
             if not blamed:
@@ -49,27 +50,3 @@ def capture_calls(
             calls = [c for c in calls if c.layer is not layer]
     return [], []
 
-
-class _Blame:
-    """A runner as ``capture_in_order`` sees it; notes which runner raised ``GraphCaptureError``."""
-
-    def __init__(self, runner: LayerGraphRunner, blamed: list) -> None:
-        self.runner = runner
-        self.backend = runner.backend
-        self._blamed = blamed
-
-    def _run(self, step) -> None:
-        try:
-            step()
-        except GraphCaptureError:
-            self._blamed.append(self.runner)
-            raise
-
-    def warmup(self) -> None:
-        self._run(self.runner.warmup)
-
-    def capture_forward(self) -> None:
-        self._run(self.runner.capture_forward)
-
-    def capture_backward(self) -> None:
-        self._run(self.runner.capture_backward)

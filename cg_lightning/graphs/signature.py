@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
 
 import torch
-from torch.utils import _pytree as pytree
+from .. import torch_compat
 
 
 class GraphSignatureError(RuntimeError):
@@ -53,11 +53,11 @@ def _contiguous_layout(shape: Tuple[int, ...]) -> Tuple[int, ...]:
 
 
 def _leaf_names(args: tuple, kwargs: dict) -> List[str]:
-    with_path, _ = pytree.tree_flatten_with_path((args, kwargs))
+    with_path, _ = torch_compat.tree_flatten_with_path((args, kwargs))
     names = []
     for path, _ in with_path:
         top = path[0].idx if hasattr(path[0], "idx") else 0
-        rest = pytree.keystr(path[1:])
+        rest = torch_compat.keystr(path[1:])
         names.append(f"args{rest}" if top == 0 else f"kwargs{rest}")
     return names
 
@@ -69,10 +69,10 @@ class CallSignature:
     """
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
-        leaves, self.spec = pytree.tree_flatten((args, kwargs))
+        leaves, self.spec = torch_compat.tree_flatten((args, kwargs))
         self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         self.metas = [TensorMeta.of(x) if t else x for x, t in zip(leaves, self.is_tensor)]
-        # The common call ``layer(x)`` / ``layer(x, mask)``: positional tensors only. Its checks skip pytree.
+        # The common call ``layer(x)`` / ``layer(x, mask)``: positional tensors only. Its checks skip torch_compat.
         self.positional_tensors = not kwargs and all(isinstance(x, torch.Tensor) for x in args)
         self._names = None
         self._names_src = (args, kwargs)
@@ -87,7 +87,7 @@ class CallSignature:
     def tensor_leaves(self, args: tuple, kwargs: dict) -> List[torch.Tensor]:
         if self.positional_tensors and not kwargs and len(args) == len(self.metas):
             return list(args)
-        leaves, _ = pytree.tree_flatten((args, kwargs))
+        leaves, _ = torch_compat.tree_flatten((args, kwargs))
         return [x for x, t in zip(leaves, self.is_tensor) if t]
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Tuple[tuple, dict]:
@@ -96,11 +96,11 @@ class CallSignature:
             return tuple(tensors), {}
         it = iter(tensors)
         leaves = [next(it) if t else m for m, t in zip(self.metas, self.is_tensor)]
-        return pytree.tree_unflatten(leaves, self.spec)
+        return torch_compat.tree_unflatten(leaves, self.spec)
 
     def mismatches(self, args: tuple, kwargs: dict) -> List[str]:
         """One line per differing argument: ``name: captured X, got Y``; empty when the call matches."""
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = torch_compat.tree_flatten((args, kwargs))
         if spec != self.spec:
             return [f"argument structure: captured {self.spec}, got {spec}"]
         out = []
@@ -122,7 +122,7 @@ class CallSignature:
             if kwargs or len(args) != len(self.metas):
                 return False
             return all(_meta_matches(x, meta) for x, meta in zip(args, self.metas))
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = torch_compat.tree_flatten((args, kwargs))
         if spec != self.spec:
             return False
         for x, meta, is_t in zip(leaves, self.metas, self.is_tensor):

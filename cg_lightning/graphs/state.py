@@ -1,141 +1,24 @@
-"""Process-wide graph-building state: warmup and capture flags, and the grad-ready recorder.
+"""The graph-building phase as the graph engine sees it (defined in :mod:`cg_lightning.phase`, which the DDP
+engine shares)."""
 
-Code that must behave differently while per-layer graphs are built (activation recomputation, the DDP
-hooks, user code with host syncs) reads :func:`is_graph_warmup` and :func:`is_graph_capturing`. Both are
-true during a layer's warmup passes (warmup is part of building a graph), only ``is_graph_capturing``
-during the capture itself. Megatron-LM exposes the same two predicates for the same purpose.
+from ..phase import (  # noqa: F401
+    GradReadyOccurrence,
+    grad_ready_deferred,
+    graph_capture,
+    graph_warmup,
+    is_graph_capturing,
+    is_graph_warmup,
+    record_grad_ready,
+    recording_grad_ready,
+)
 
-The DDP engine's per-parameter hooks do not add or count while :func:`grad_ready_deferred` is true:
-the graph code consumes ``param.grad`` itself and, during capture, the hook hands its grad-ready
-notification to :func:`record_grad_ready` so that replays can repeat it (Megatron-LM PR #6242).
-"""
-
-from __future__ import annotations
-
-import contextlib
-import weakref
-from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
-
-import torch
-
-#: One recorded grad-ready occurrence: the parameter and the callable that reports it ready.
-GradReadyOccurrence = Tuple[torch.nn.Parameter, Callable[[], None]]
-
-
-@dataclass
-class _GraphPhase:
-    warmup: bool = False
-    capturing: bool = False
-    recorder: Optional[List[GradReadyOccurrence]] = None
-
-
-_phase = _GraphPhase()
-
-
-def is_graph_capturing() -> bool:
-    """True while per-layer graphs are being built (warmup passes and capture)."""
-    return _phase.capturing
-
-
-def is_graph_warmup() -> bool:
-    """True during the eager warmup passes that precede a layer's capture."""
-    return _phase.warmup
-
-
-def grad_ready_deferred() -> bool:
-    """True when DDP hooks must neither add ``param.grad`` into ``main_grad`` nor count it ready.
-
-    That is the case while graphs are built, which includes the eager backend re-running a captured body:
-    the graph code itself moves the gradients into ``main_grad`` and replays the notifications.
-    """
-    return _phase.capturing or _phase.warmup
-
-
-def record_grad_ready(param: torch.nn.Parameter, notify: Callable[[], None]) -> None:
-    """Record one grad-ready occurrence of ``param`` if a capture is recording (else do nothing).
-
-    Duplicates and order are kept: a parameter finalized twice inside one captured backward is recorded
-    twice, so its replays report it twice, as eager execution does.
-    """
-    if _phase.recorder is not None:
-        _phase.recorder.append((param, notify))
-
-
-#: Per parameter, the callable that reports it ready to the data-parallel engine that owns it. Graph
-#: runners need it for grad-ready occurrences that eager execution produces but a capture cannot observe
-#: (a bypassed reentrant recomputation's nested backward).
-#: Keyed by ``id`` (tensors compare by value, so no WeakKeyDictionary); a weak reference guards against a
-#: dead parameter's id being reused.
-_reporters: Dict[int, Tuple["weakref.ref[torch.nn.Parameter]", Callable[[], None]]] = {}
-
-
-def set_grad_ready_reporter(param: torch.nn.Parameter, notify: Optional[Callable[[], None]]) -> None:
-    """Register (or, with ``None``, remove) the callable that reports ``param`` ready."""
-    if notify is None:
-        _reporters.pop(id(param), None)
-    else:
-        _reporters[id(param)] = (weakref.ref(param), notify)
-
-
-def grad_ready_reporter(param: torch.nn.Parameter) -> Optional[Callable[[], None]]:
-    """The callable registered by :func:`set_grad_ready_reporter`, or ``None`` (no engine watches it)."""
-    entry = _reporters.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]
-
-
-def _report_nothing() -> None:
-    pass
-
-
-def batched_reporter(notifiers: Sequence[Callable[[], None]]) -> Callable[[], None]:
-    """One callable with the effect of calling each of ``notifiers`` in order (a replay's grad-ready reports).
-
-    Reporters that carry the same ``batch`` attribute (the DDP engine's do: ``DataParallelEngine.ready_batch``)
-    are combined by it, so a replay that reports 12 parameters makes one call that counts them all instead of
-    12 (issue 8's "bucket-level bookkeeping"; ``benchmarks/NOTES.md``, session 7). Others are called one by one.
-    """
-    notifiers = list(notifiers)
-    if not notifiers:
-        return _report_nothing
-    batch = getattr(notifiers[0], "batch", None)
-    if batch is not None and all(getattr(n, "batch", None) == batch for n in notifiers):
-        return batch(notifiers)
-
-    def report_each() -> None:
-        for notify in notifiers:
-            notify()
-
-    return report_each
-
-
-@contextlib.contextmanager
-def _set(**values) -> Iterator[None]:
-    old = {k: getattr(_phase, k) for k in values}
-    for k, v in values.items():
-        setattr(_phase, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(_phase, k, v)
-
-
-def graph_warmup() -> contextlib.AbstractContextManager:
-    """Context of a warmup pass: both :func:`is_graph_warmup` and :func:`is_graph_capturing` are true."""
-    return _set(warmup=True, capturing=True)
-
-
-def graph_capture() -> contextlib.AbstractContextManager:
-    """Context of a forward or backward capture: :func:`is_graph_capturing` is true."""
-    return _set(capturing=True)
-
-
-@contextlib.contextmanager
-def recording_grad_ready() -> Iterator[List[GradReadyOccurrence]]:
-    """Collect every grad-ready occurrence reported through :func:`record_grad_ready` in this context."""
-    occurrences: List[GradReadyOccurrence] = []
-    with _set(recorder=occurrences):
-        yield occurrences
+__all__ = [
+    "GradReadyOccurrence",
+    "grad_ready_deferred",
+    "graph_capture",
+    "graph_warmup",
+    "is_graph_capturing",
+    "is_graph_warmup",
+    "record_grad_ready",
+    "recording_grad_ready",
+]

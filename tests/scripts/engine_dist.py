@@ -63,6 +63,7 @@ def main() -> None:
     manager = GraphManager(model, options, device)
     engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=16 * 17 * 4 / 2**20, timeout_s=a.timeout_s),
                                 grad_accumulator_stream=getattr(manager.backend, "stream", None))
+    manager.bind_grad_ready(engine.grad_ready)
     events = []
     result = {"rank": rank, "buckets": len(engine.buckets)}
 

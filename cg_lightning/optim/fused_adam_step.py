@@ -36,7 +36,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from .optimizer_step import _has_step_hooks
+from ..torch_compat import foreach_add_, fused_adam_kernel
+from .step_graph import has_step_hooks
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _GRAD = operator.attrgetter("grad")
@@ -134,7 +135,7 @@ class CachedFusedAdamStep:
     def _plain(self) -> bool:
         """Conditions on the optimizer as a whole and on each group's settings (cheap: no per-parameter work)."""
         opt = self.optimizer
-        if _has_step_hooks(opt) or getattr(opt, "grad_scale", None) is not None \
+        if has_step_hooks(opt) or getattr(opt, "grad_scale", None) is not None \
                 or getattr(opt, "found_inf", None) is not None:
             return False
         for g in opt.param_groups:
@@ -169,9 +170,9 @@ def _fused_update(opt: torch.optim.Optimizer, group: dict, buckets) -> None:
     bucket, step counts + 1, then one fused kernel."""
     beta1, beta2 = group["betas"]
     decoupled = group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW))
-    func = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    func = fused_adam_kernel(decoupled)
     for params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps in buckets:
-        torch._foreach_add_(steps, 1)
+        foreach_add_(steps, 1)
         func(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
              lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
              maximize=group["maximize"], grad_scale=None, found_inf=None)

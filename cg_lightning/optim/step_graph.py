@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from ..torch_compat import optimizer_has_step_hooks
+
 _STEP_KEYS_IGNORED = ("params", "lr")
 
 ACTIVE = ("prepared", "warm", "captured")
@@ -52,7 +54,7 @@ def optimizer_refusal(optimizer: torch.optim.Optimizer, backend_name: str) -> Op
         return f"{name} has no 'capturable' option, so its step cannot be replayed from a graph"
     if any(g.get("differentiable", False) for g in optimizer.param_groups):
         return f"{name} was built with differentiable=True"
-    if _has_step_hooks(optimizer):
+    if has_step_hooks(optimizer):
         return f"{name} has step pre/post hooks, which a replayed step would skip"
     if backend_name == "cuda":
         off = {str(p.device) for g in optimizer.param_groups for p in g["params"] if p.device.type != "cuda"}
@@ -61,15 +63,9 @@ def optimizer_refusal(optimizer: torch.optim.Optimizer, backend_name: str) -> Op
     return None
 
 
-def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    from torch.optim import optimizer as optim_mod
-
-    return bool(
-        getattr(optimizer, "_optimizer_step_pre_hooks", None)
-        or getattr(optimizer, "_optimizer_step_post_hooks", None)
-        or getattr(optim_mod, "_global_optimizer_pre_hooks", None)
-        or getattr(optim_mod, "_global_optimizer_post_hooks", None)
-    )
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has step pre/post hooks (its own or global ones), which a replayed step skips."""
+    return optimizer_has_step_hooks(optimizer)
 
 
 class OptimizerStepGraph:
@@ -228,7 +224,7 @@ class OptimizerStepGraph:
             if keys:
                 return (f"hyperparameter(s) {keys} of param group {i} changed after the step was captured (only 'lr' "
                         "may change; a scheduler that also cycles momentum needs graphs.capture_optimizer=false)")
-        if _has_step_hooks(opt):
+        if has_step_hooks(opt):
             return "optimizer step hooks were registered after the step was captured"
         return None
 

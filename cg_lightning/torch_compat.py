@@ -1,0 +1,205 @@
+"""Every private torch API the package uses, in one place, each with what it is and a version gate.
+
+The lowest torch the package supports is :data:`TORCH_FLOOR`. Each entry below names the feature that needs
+it. Where a public path exists, a torch without the private API falls back to it; where none exists, the
+first use raises :class:`TorchAPIMissing` naming the feature, the installed torch and what to do. Nothing
+else in ``cg_lightning`` touches ``torch._*``, ``torch._C``, ``torch.utils._*``, private attributes of
+tensors, modules or optimizers, or private ``torch.distributed`` functions (a test greps the package).
+
+Imports only torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import re
+from typing import Callable, Dict, Iterator, List, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint as _torch_checkpoint
+from torch.nn.modules import module as _module
+from torch.optim import optimizer as _optimizer_module
+from torch.utils import _pytree
+from torch.utils import _python_dispatch
+
+#: the lowest torch version the package supports (the GPU image's)
+TORCH_FLOOR = (2, 11)
+
+
+def torch_version() -> tuple:
+    """``(major, minor)`` of the installed torch."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
+
+
+class TorchAPIMissing(RuntimeError):
+    """A private torch API a feature needs is not in the installed torch."""
+
+
+def _missing(api: str, feature: str, remedy: str) -> TorchAPIMissing:
+    floor = ".".join(map(str, TORCH_FLOOR))
+    return TorchAPIMissing(
+        f"cg_lightning: {feature} needs {api}, which torch {torch.__version__} does not have (cg_lightning supports "
+        f"torch >= {floor} and is tested there). {remedy}"
+    )
+
+
+# ------------------------------------------------------------------------- pytrees
+#: ``torch.utils._pytree``: flattening nested call arguments and layer outputs (signatures, replays). Present in
+#: every supported torch; torch.compile and torch.export use it too.
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+tree_map = _pytree.tree_map
+tree_flatten_with_path = _pytree.tree_flatten_with_path
+keystr = _pytree.keystr
+
+# ------------------------------------------------------------------------- dispatch modes
+#: ``torch.utils._python_dispatch.TorchDispatchMode``: sees every aten operation, to refuse host syncs inside a
+#: captured layer with the user's source line (graphs.host_sync).
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+
+# ------------------------------------------------------------------------- tensors
+#: ``Tensor._version``: the in-place version counter; segments and graph-buffer reuse catch a tensor changed in
+#: place between two graphed calls. C-level getter for the hot paths.
+VERSION = operator.attrgetter("_version")
+
+
+def version(t: torch.Tensor) -> int:
+    """``t._version`` (see :data:`VERSION`)."""
+    return t._version
+
+
+def grad_hooks(t: torch.Tensor):
+    """``Tensor._backward_hooks``: the gradient hooks registered with ``register_hook`` (``None`` or a dict), to
+    refuse hooks a replay would skip."""
+    return t._backward_hooks
+
+
+def post_accumulate_grad_hooks(t: torch.Tensor):
+    """``Tensor._post_accumulate_grad_hooks`` (``None`` or a dict): hooks a replay would skip."""
+    return getattr(t, "_post_accumulate_grad_hooks", None)  # a plain tensor may lack the slot
+
+
+# ------------------------------------------------------------------------- module and optimizer hooks
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_MODULE_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                        "_global_backward_hooks")
+
+
+def module_hooks(module: torch.nn.Module) -> Dict[str, dict]:
+    """``nn.Module``'s per-module hook dictionaries by kind (``forward_pre_hooks``, ``forward_hooks``,
+    ``backward_pre_hooks``, ``backward_hooks``): hooks that would run at capture only, or between two calls that a
+    segment's graph runs together. Read each time: a hook added later lands in the same dictionaries."""
+    return {kind.strip("_"): getattr(module, kind) for kind in _MODULE_HOOKS if hasattr(module, kind)}
+
+
+def global_module_hooks() -> Dict[str, dict]:
+    """``torch.nn.modules.module``'s global hook dictionaries by kind (``global_forward_pre_hooks``, ...)."""
+    return {kind.strip("_"): getattr(_module, kind) for kind in _GLOBAL_MODULE_HOOKS if hasattr(_module, kind)}
+
+
+def optimizer_has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has step pre/post hooks of its own or global ones (``Optimizer._optimizer_step_pre_hooks``
+    and ``torch.optim.optimizer._global_optimizer_pre_hooks``, their post counterparts): a replayed step skips them."""
+    return bool(
+        getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        or getattr(optimizer, "_optimizer_step_post_hooks", None)
+        or getattr(_optimizer_module, "_global_optimizer_pre_hooks", None)
+        or getattr(_optimizer_module, "_global_optimizer_post_hooks", None)
+    )
+
+
+# ------------------------------------------------------------------------- autograd
+def will_engine_execute_node(node) -> bool:
+    """``torch._C._will_engine_execute_node``: whether the running backward pass will execute ``node`` (a replay
+    node asks it of its parameters' ``AccumulateGrad`` nodes, to refuse ``torch.autograd.grad`` that leaves them
+    out). Raises ``RuntimeError`` when called on a leaf node during ``autograd.grad``, as torch does."""
+    check = getattr(torch._C, "_will_engine_execute_node", None)
+    if check is None:
+        raise _missing("torch._C._will_engine_execute_node", "refusing torch.autograd.grad through a graphed layer",
+                       "Use the supported torch, or call loss.backward() only.")
+    return check(node)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are active (``torch._C._autograd._top_saved_tensors_default_hooks``): a graphed
+    layer inside a non-reentrant ``torch.utils.checkpoint`` is refused at capture. Without the API (no public
+    equivalent) nothing is detected and capture proceeds, as the layer would then fail at its recomputation."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
+@contextlib.contextmanager
+def reentrant_checkpoint_calls(direct: Callable) -> Iterator[None]:
+    """Within the block, ``torch.utils.checkpoint.CheckpointFunction.apply(function, preserve_rng_state, *args)``
+    (the reentrant path of ``torch.utils.checkpoint.checkpoint``, a class outside its public API) calls
+    ``direct(function, preserve_rng_state, *args)`` instead; restored afterwards. Graph warmup and capture bypass
+    reentrant recomputation this way."""
+    cls = getattr(_torch_checkpoint, "CheckpointFunction", None)
+    if cls is None:
+        raise _missing("torch.utils.checkpoint.CheckpointFunction", "graphing a layer that uses reentrant "
+                       "torch.utils.checkpoint", "Use cg_lightning.checkpoint or use_reentrant=False in the layer.")
+    had_own = "apply" in cls.__dict__
+    original = cls.__dict__.get("apply")
+    cls.apply = staticmethod(direct)
+    try:
+        yield
+    finally:
+        if had_own:
+            cls.apply = original
+        else:
+            del cls.apply
+
+
+# ------------------------------------------------------------------------- memory
+def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing ``t``'s memory without keeping it allocated (``torch._C._construct_storage_from_data_pointer``):
+    make_graphed_callables' ``reuse_graph_buffers`` gives cloned gradient outputs back to the graph pool."""
+    construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if construct is None:
+        raise _missing("torch._C._construct_storage_from_data_pointer", "make_graphed_callables(reuse_graph_buffers=True)",
+                       "Use the supported torch, or reuse_graph_buffers=False.")
+    storage = construct(t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+# ------------------------------------------------------------------------- kernels
+def _foreach_add_fallback(tensors: Sequence[torch.Tensor], others) -> None:
+    if isinstance(others, (int, float)):
+        for t in tensors:
+            t.add_(others)
+        return
+    for t, o in zip(tensors, others):
+        t.add_(o)
+
+
+def foreach_add_(tensors: Sequence[torch.Tensor], others) -> None:
+    """``torch._foreach_add_(tensors, others_or_scalar)``: the multi-tensor add behind ``main_grad`` additions and
+    optimizer step counts; the same elementwise additions as ``add_`` one tensor at a time (the fallback).
+    Looked up at each call, so that a profiler or test that wraps the torch function sees these calls."""
+    getattr(torch, "_foreach_add_", _foreach_add_fallback)(tensors, others)
+
+
+def fused_adam_kernel(decoupled_weight_decay: bool) -> Callable:
+    """``torch._fused_adamw_`` (``decoupled_weight_decay``) or ``torch._fused_adam_``: the kernels behind
+    ``Adam(fused=True)``, called directly by the cached fused Adam step (``optim.fused_adam_step``)."""
+    name = "_fused_adamw_" if decoupled_weight_decay else "_fused_adam_"
+    kernel = getattr(torch, name, None)
+    if kernel is None:
+        raise _missing(f"torch.{name}", "the cached fused Adam step", "Use the supported torch, or an optimizer "
+                       "built without fused=True (the step then runs through torch.optim).")
+    return kernel
+
+
+# ------------------------------------------------------------------------- distributed
+def broadcast_coalesced(group, tensors: List[torch.Tensor], buffer_size: int, src: int) -> bool:
+    """``torch.distributed._broadcast_coalesced`` (what torch DDP broadcasts buffers with: few collectives, copied
+    back into ``tensors``; ``src`` is group-local). Returns ``False`` without doing anything where the installed
+    torch lacks it; the caller then broadcasts tensor by tensor (public)."""
+    coalesced = getattr(dist, "_broadcast_coalesced", None)
+    if coalesced is None:
+        return False
+    coalesced(group, tensors, buffer_size, src)
+    return True

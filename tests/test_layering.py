@@ -1,0 +1,100 @@
+"""Layering that holds at run time: the engine packages load torch only, and ``import cg_lightning`` still
+registers the strategy with Lightning, whichever of the two is imported first. Each case runs in a fresh
+interpreter (what an earlier test imported would hide a violation)."""
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+
+from tests.helpers import ROOT
+
+FRONT_ENDS = ("lightning", "pytorch_lightning", "accelerate", "omegaconf")
+TORCH_ONLY = ("graphs", "ddp", "optim")
+TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py")
+
+
+def _run(code: str) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+_LOADED = """
+    import sys
+    loaded = sorted(m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in {front_ends!r}))
+    print("LOADED", loaded)
+"""
+
+
+def test_engine_packages_load_no_front_end_at_run_time():
+    """``import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol`` (and every module inside the engine
+    packages, the optimizer pieces and the torch compat module) loads none of Lightning, pytorch_lightning,
+    Accelerate, OmegaConf."""
+    out = _run(textwrap.dedent("""
+        import importlib, pkgutil
+        import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol, cg_lightning.phase
+        import cg_lightning.torch_compat, cg_lightning.optim
+        for pkg in (cg_lightning.graphs, cg_lightning.ddp, cg_lightning.optim):
+            for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+                importlib.import_module(info.name)
+    """) + textwrap.dedent(_LOADED.format(front_ends=FRONT_ENDS)))
+    assert "LOADED []" in out, out
+
+
+def test_engine_packages_import_no_front_end_anywhere():
+    """Not even inside a function: ``graphs/``, ``ddp/`` and the torch-only modules they use name none of the
+    front-end packages in any import statement."""
+    paths = [os.path.join(ROOT, "cg_lightning", sub, name) for sub in TORCH_ONLY
+             for name in sorted(os.listdir(os.path.join(ROOT, "cg_lightning", sub))) if name.endswith(".py")]
+    paths += [os.path.join(ROOT, "cg_lightning", name) for name in TORCH_ONLY_MODULES]
+    for path in paths:
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for mod in mods:
+                assert mod.split(".")[0] not in FRONT_ENDS, f"{os.path.relpath(path, ROOT)} imports {mod}"
+
+
+def test_import_cg_lightning_then_lightning_registers_the_strategy():
+    out = _run("""
+        import cg_lightning
+        import sys
+        assert "lightning.pytorch" not in sys.modules
+        from lightning.pytorch import Trainer
+        trainer = Trainer(strategy="cudagraph_ddp", accelerator="cpu", devices=1, logger=False)
+        print("STRATEGY", type(trainer.strategy).__name__)
+    """)
+    assert "STRATEGY CUDAGraphDDPStrategy" in out, out
+
+
+def test_import_lightning_then_cg_lightning_registers_the_strategy():
+    out = _run("""
+        from lightning.pytorch import Trainer
+        import cg_lightning
+        trainer = Trainer(strategy="cudagraph_ddp", accelerator="cpu", devices=1, logger=False)
+        print("STRATEGY", type(trainer.strategy).__name__)
+    """)
+    assert "STRATEGY CUDAGraphDDPStrategy" in out, out
+
+
+def test_public_names_resolve_lazily():
+    out = _run("""
+        import cg_lightning
+        from cg_lightning import CUDAGraphDDPStrategy, make_graphed_callables, GraphOptions, DDPOptions
+        from cg_lightning import checkpoint, is_graph_capturing, is_graph_warmup, CheckpointWithoutOutput
+        import cg_lightning.graphs.callables as callables
+        assert make_graphed_callables is callables.make_graphed_callables
+        assert set(cg_lightning.__all__) <= set(dir(cg_lightning))
+        for name in cg_lightning.__all__:
+            getattr(cg_lightning, name)
+        assert cg_lightning.callbacks.CUDAGraphCallback is not None
+        from lightning.pytorch.strategies import DDPStrategy
+        assert issubclass(CUDAGraphDDPStrategy, DDPStrategy)
+        print("OK", is_graph_capturing(), is_graph_warmup())
+    """)
+    assert "OK False False" in out, out

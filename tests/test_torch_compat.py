@@ -1,0 +1,89 @@
+"""Private torch APIs live in :mod:`cg_lightning.torch_compat` only, each behind a gate that names the feature."""
+
+import ast
+import io
+import pathlib
+import re
+import tokenize
+
+import pytest
+import torch
+
+from cg_lightning import torch_compat
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "cg_lightning"
+PRIVATE_NAMES = {"_C", "_pytree", "_python_dispatch", "CheckpointFunction", "__wrapped__"}
+# torch's hook dictionaries on modules, tensors and optimizers, version counters, torch._foo_ kernels
+_HOOKS = r"_(forward|forward_pre|backward|backward_pre|post_accumulate_grad|optimizer_step_pre|optimizer_step_post|global_[a-z_]+)_hooks"
+PRIVATE_ATTR = re.compile(_HOOKS + r"|_version|_[a-z][a-z_]*_")
+PRIVATE_OWNERS = {"torch", "dist", "optim_mod", "module"}  # torch, torch.distributed, ... : any _name on them
+PRIVATE_STRING = re.compile(r"^(_C\b|" + _HOOKS + r"$|_version$|_broadcast_coalesced$|_[a-z][a-z_]*_$)")
+
+
+def _private_uses(path: pathlib.Path):
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+              if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT)]
+    found = []
+    for owner, dot, tok in zip([None, None] + tokens, [None] + tokens, tokens):
+        attribute = dot is not None and dot.type == tokenize.OP and dot.string == "."
+        if tok.type == tokenize.NAME:
+            if tok.string in PRIVATE_NAMES:
+                found.append((tok.start[0], tok.line.strip()))
+            elif attribute and PRIVATE_ATTR.fullmatch(tok.string):
+                found.append((tok.start[0], tok.line.strip()))
+            elif (attribute and tok.string.startswith("_") and not tok.string.startswith("__")
+                  and owner is not None and owner.string in PRIVATE_OWNERS):
+                found.append((tok.start[0], tok.line.strip()))
+        elif tok.type == tokenize.STRING:
+            try:
+                value = ast.literal_eval(tok.string)
+            except (ValueError, SyntaxError):
+                continue
+            if isinstance(value, str) and PRIVATE_STRING.match(value):
+                found.append((tok.start[0], tok.line.strip()))
+    return found
+
+
+def test_private_torch_apis_only_in_torch_compat():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "torch_compat.py":
+            continue
+        offenders += [f"{path.relative_to(PACKAGE.parent)}:{line}: {text}" for line, text in _private_uses(path)]
+    assert not offenders, "go through cg_lightning.torch_compat:\n" + "\n".join(offenders)
+
+
+def test_the_check_sees_private_uses(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""torch._foreach_add_ in a docstring"""\n'
+                     "torch._foreach_add_(a, b)\n"
+                     "from torch.utils import _pytree\n"
+                     "n = t._version\n"
+                     "h = m._forward_pre_hooks\n"
+                     'g = getattr(dist, "_broadcast_coalesced", None)\n'
+                     "x = torch._C._will_engine_execute_node(n)\n"
+                     "y = torch_compat.version(t)\n")
+    assert [line for line, _ in _private_uses(probe)] == [2, 3, 4, 5, 6, 7]
+
+
+def test_missing_private_api_names_feature_version_and_remedy(monkeypatch):
+    monkeypatch.delattr(torch, "_fused_adamw_")
+    with pytest.raises(torch_compat.TorchAPIMissing) as info:
+        torch_compat.fused_adam_kernel(True)
+    text = str(info.value)
+    assert "torch._fused_adamw_" in text and "cached fused Adam step" in text and torch.__version__ in text
+    assert "torch >= 2.11" in text and "fused=True" in text
+
+
+def test_public_fallbacks_match_the_private_paths():
+    a = [torch.arange(4.0), torch.ones(3)]
+    b = [torch.full((4,), 0.5), torch.full((3,), 2.0)]
+    fast = [t.clone() for t in a]
+    torch_compat.foreach_add_(fast, b)
+    slow = [t.clone() for t in a]
+    torch_compat._foreach_add_fallback(slow, b)
+    assert all(torch.equal(x, y) for x, y in zip(fast, slow))
+    assert torch_compat.torch_version() >= torch_compat.TORCH_FLOOR
+    assert not torch_compat.saved_tensor_hooks_active()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert torch_compat.saved_tensor_hooks_active()
