@@ -5,7 +5,8 @@ objects through the same events; this module holds them, so each front-end only 
 them. Torch only: it imports :mod:`cg_lightning.graphs` and :mod:`cg_lightning.ddp`, never Lightning,
 Accelerate or OmegaConf.
 
-Building, one function per feature, each applied to the model in place::
+Building: one function per feature, applied to the model in turn (graphs on its layers, then the engine
+around it), and a driver over what they return::
 
     manager = apply_graphs(model, GraphOptions(warmup_steps=2), device)   # None when graphs are off
     engine = apply_data_parallel(model, DDPOptions(), graph_manager=manager)
@@ -134,7 +135,8 @@ def apply_data_parallel(
     Returns:
         the engine (call it as the model).
     """
-    return DataParallelEngine(model, options, process_group, grad_accumulator_stream=capture_stream(graph_manager))
+    return DataParallelEngine(model, options, process_group=process_group,
+                              grad_accumulator_stream=capture_stream(graph_manager))
 
 
 def build_driver(
