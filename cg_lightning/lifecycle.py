@@ -348,7 +348,8 @@ class TrainingDriver:
         if zero_grad and self.engine is not None:
             self.engine.zero_grad_buffer()
 
-    def _optimizer_graph(self, optimizer: torch.optim.Optimizer, refusal: Optional[str]) -> Optional[OptimizerStepGraph]:
+    def _optimizer_graph(self, optimizer: torch.optim.Optimizer,
+                         refusal: Optional[str]) -> Optional[OptimizerStepGraph]:
         """The optimizer's step graph once the layers replay and ``graphs.capture_optimizer`` is on; its groups
         are prepared here, before the one eager step that precedes capture."""
         manager = self.graph_manager
