@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple, Type
 
 import torch
 import torch.nn as nn
@@ -122,6 +122,7 @@ def apply_data_parallel(
     *,
     graph_manager: Optional[GraphManager] = None,
     process_group: Any = None,
+    engine_type: Type[DataParallelEngine] = DataParallelEngine,
 ) -> DataParallelEngine:
     """Wrap ``model`` in a :class:`~cg_lightning.ddp.DataParallelEngine`.
 
@@ -131,11 +132,12 @@ def apply_data_parallel(
         graph_manager: the manager from :func:`apply_graphs`, whose capture stream the engine's gradient
             accumulators must be bound to.
         process_group: the group to reduce over (default: the world, when initialized).
+        engine_type: :class:`~cg_lightning.ddp.DataParallelEngine` or a subclass taking its arguments.
 
     Returns:
         the engine (call it as the model).
     """
-    return DataParallelEngine(model, options, process_group=process_group,
+    return engine_type(model, options, process_group=process_group,
                               grad_accumulator_stream=capture_stream(graph_manager))
 
 
@@ -146,10 +148,12 @@ def build_driver(
     device: torch.device,
     *,
     process_group: Any = None,
+    engine_type: Type[DataParallelEngine] = DataParallelEngine,
 ) -> "TrainingDriver":
     """:func:`apply_graphs`, then :func:`apply_data_parallel`, then a :class:`TrainingDriver` over both."""
     manager = apply_graphs(model, graphs, device)
-    engine = apply_data_parallel(model, ddp, graph_manager=manager, process_group=process_group)
+    engine = apply_data_parallel(model, ddp, graph_manager=manager, process_group=process_group,
+                                 engine_type=engine_type)
     return TrainingDriver(graphs, manager, engine)
 
 

@@ -146,7 +146,10 @@ class CUDAGraphDDPStrategy(DDPStrategy):
                 "engine cannot tell when a backward ends. Use strategy='ddp' for this LightningModule, or "
                 "switch it to automatic optimization."
             )
-        self.driver = build_driver(self.model, self.graph_options, self.ddp_options, self.root_device)
+        # the engine class is looked up in this module when fitting starts, so an experiment can put a subclass
+        # in its place (benchmarks/accumulator_stream.py binds gradient accumulators to other streams that way)
+        self.driver = build_driver(self.model, self.graph_options, self.ddp_options, self.root_device,
+                                   engine_type=DataParallelEngine)
         self.model = self.driver.engine
 
     # ----------------------------------------------------------------- training step
