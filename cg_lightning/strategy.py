@@ -1,15 +1,24 @@
 """``CUDAGraphDDPStrategy``: Lightning's DDP strategy with per-layer graphs and the project's DDP engine.
 
 Registered as ``"cudagraph_ddp"`` on ``import cg_lightning``. It is a ``DDPStrategy`` subclass, so
-Lightning's launchers, samplers, accumulation and checkpointing paths stay as they are; what changes:
+Lightning's launchers, samplers, accumulation and checkpointing paths stay as they are. The training itself is
+driven by a :class:`~cg_lightning.lifecycle.TrainingDriver`; this class maps Lightning's hooks onto its events:
 
-* ``_setup_model`` wraps the LightningModule in :class:`~cg_lightning.ddp.DataParallelEngine` (not
-  torch DDP) and installs a :class:`~cg_lightning.graphs.GraphManager` on the chosen layers;
-* ``training_step`` tells the manager a micro-batch starts (call indices, capture schedule);
-* ``block_backward_sync`` (gradient accumulation) uses the engine's ``no_sync``;
-* ``post_backward`` finishes the gradient sync and points ``param.grad`` at ``main_grad``, before
-  ``on_before_optimizer_step`` and gradient clipping; ``optimizer_step`` zeroes the buffers afterwards and,
-  with ``graphs.capture_optimizer``, replays the optimizer step from a graph.
+========================================  =====================================================================
+Lightning hook                            driver event
+========================================  =====================================================================
+``configure_ddp`` (``setup``, fitting)     :func:`~cg_lightning.lifecycle.build_driver`: graphs on the chosen
+                                          layers, the model wrapped in :class:`~cg_lightning.ddp.DataParallelEngine`
+                                          (not torch DDP)
+``training_step``                         ``begin_micro_batch(global_step)`` ... ``end_forward()``, then the
+                                          ``capture_summary()`` printed
+``block_backward_sync``                   ``no_sync()`` (gradient accumulation)
+``backward``, around the precision        ``before_backward(loss)`` after ``on_before_backward``;
+plugin's ``backward``                     ``after_backward()`` before ``on_after_backward``
+``optimizer_step``                        ``stepping(optimizer)`` around Lightning's step, then
+                                          ``after_optimizer_step()`` (zeroes ``main_grad``)
+``teardown``                              ``close()``
+========================================  =====================================================================
 
 Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPUs.
 """
@@ -18,7 +27,7 @@ from __future__ import annotations
 
 import atexit
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Generator, Optional, Union
+from typing import Any, Callable, Dict, Generator, Iterator, Optional, Union
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -27,14 +36,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from .ddp import DataParallelEngine, DDPOptions
-from .graphs import GraphManager, GraphOptions
-from .optim.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
-from .optim.step_graph import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
-from .optim.step_graph import OptimizerStepGraph, optimizer_refusal, step_replaced
+from .graphs import GraphManager, GraphOptions, GraphStats
+from .lifecycle import TrainingDriver, apply_graphs, build_driver
 from .options import as_options
-from .protocol import main_grad
 
 
 def _destroy_process_group_at_exit() -> None:
@@ -54,6 +61,13 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
             ``start_method``, ...). torch-DDP-only options (``find_unused_parameters``, comm hooks) are
             refused because the engine is not torch DDP.
+
+    Attributes:
+        driver: the :class:`~cg_lightning.lifecycle.TrainingDriver` of the current fit (or of
+            ``validate``/``test``/``predict`` with ``graphs.capture_eval``), ``None`` outside.
+        last_graph_stats: the graph counters of the last run, kept after teardown (``None`` without graphs).
+        last_optimizer_replays: optimizer steps replayed from a graph in the last fit.
+        last_cached_optimizer_steps: optimizer steps taken on cached tensor lists in the last fit.
 
     Raises:
         ValueError: for options of torch DDP that this engine does not implement, or manual
@@ -82,15 +96,23 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.graph_options = as_options(GraphOptions, graphs, "graphs")
         self.ddp_options = as_options(DDPOptions, ddp, "ddp")
-        self.engine: Optional[DataParallelEngine] = None
-        self.graph_manager: Optional[GraphManager] = None
-        self.last_graph_stats = None  # GraphStats of the last fit, kept after teardown
-        self._optimizer_graphs: Dict[int, OptimizerStepGraph] = {}  # id(optimizer) -> its step graph
-        self._cached_steps: Dict[int, Optional[CachedFusedAdamStep]] = {}  # id(optimizer) -> cached fused step
-        self.last_cached_optimizer_steps = 0  # optimizer steps taken on cached lists in the last fit
-        self.last_optimizer_replays = 0  # optimizer steps replayed from a graph in the last fit
+        self.driver: Optional[TrainingDriver] = None
+        self.last_graph_stats: Optional[GraphStats] = None
+        self.last_cached_optimizer_steps = 0
+        self.last_optimizer_replays = 0
+
+    @property
+    def engine(self) -> Optional[DataParallelEngine]:
+        """The data-parallel engine of the current fit, or ``None``."""
+        return self.driver.engine if self.driver is not None else None
+
+    @property
+    def graph_manager(self) -> Optional[GraphManager]:
+        """The graph manager of the current run, or ``None``."""
+        return self.driver.graph_manager if self.driver is not None else None
 
     # ----------------------------------------------------------------- setup
+    @override
     def setup_distributed(self) -> None:
         """Lightning's process-group setup, plus destroying the group at interpreter exit for every backend.
 
@@ -101,18 +123,22 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         super().setup_distributed()
         atexit.register(_destroy_process_group_at_exit)
 
+    @override
     def setup(self, trainer: Any) -> None:
-        """Lightning's DDP setup; outside fitting (``trainer.validate/test/predict``) with
-        ``graphs.capture_eval`` also a graph manager for eval-mode graphs only (no DDP engine: nothing to
-        reduce), removed again at teardown."""
+        """Lightning's DDP setup (which calls :meth:`configure_ddp` when fitting); outside fitting
+        (``trainer.validate/test/predict``) with ``graphs.capture_eval`` also a graph manager for eval-mode
+        graphs only (no DDP engine: nothing to reduce), removed again at teardown."""
         super().setup(trainer)
         if (trainer.state.fn != TrainerFn.FITTING and self.graph_options.enabled and self.graph_options.capture_eval
-                and self.graph_manager is None and self.lightning_module is not None):
-            self.graph_manager = GraphManager(
-                self.lightning_module, self.graph_options, self.root_device, accumulate_into_main_grad=False
-            )
+                and self.driver is None and self.lightning_module is not None):
+            manager = apply_graphs(self.lightning_module, self.graph_options, self.root_device,
+                                   accumulate_into_main_grad=False)
+            self.driver = TrainingDriver(self.graph_options, manager, None)
 
-    def _setup_model(self, model: Module) -> DataParallelEngine:
+    @override
+    def configure_ddp(self) -> None:
+        """Graphs on the chosen layers and the project's engine around the LightningModule, in place of
+        torch DDP and its communication hooks (the engine registers its own)."""
         lm = self.lightning_module
         if lm is not None and not lm.automatic_optimization:
             raise ValueError(
@@ -120,44 +146,30 @@ class CUDAGraphDDPStrategy(DDPStrategy):
                 "engine cannot tell when a backward ends. Use strategy='ddp' for this LightningModule, or "
                 "switch it to automatic optimization."
             )
-        if self.graph_options.enabled:
-            self.graph_manager = GraphManager(
-                model, self.graph_options, self.root_device, accumulate_into_main_grad=True
-            )
-        stream = getattr(self.graph_manager.backend, "stream", None) if self.graph_manager else None
-        engine = DataParallelEngine(model, self.ddp_options, grad_accumulator_stream=stream)
-        if self.graph_manager is not None:
-            self.graph_manager.bind_grad_ready(engine.grad_ready)
-        self.engine = engine
-        return engine
-
-    def _register_ddp_hooks(self) -> None:
-        """The engine registers its own hooks; torch-DDP comm hooks do not apply."""
+        # the engine class is looked up in this module when fitting starts, so an experiment can put a subclass
+        # in its place (benchmarks/accumulator_stream.py binds gradient accumulators to other streams that way)
+        self.driver = build_driver(self.model, self.graph_options, self.ddp_options, self.root_device,
+                                   engine_type=DataParallelEngine)
+        self.model = self.driver.engine
 
     # ----------------------------------------------------------------- training step
+    @override
     def training_step(self, *args: Any, **kwargs: Any):
         # A window whose gradients never reached an optimizer step (a LightningModule.optimizer_step that ran the
         # closure but skipped optimizer.step) leaves them exposed in param.grad: Lightning's optimizer_zero_grad
-        # before the next backward clears them there, and the engine's take_back_grads zeroes main_grad to match;
+        # before the next backward clears them there, and the driver's before_backward zeroes main_grad to match;
         # without that zero_grad they accumulate, as under "ddp".
-        manager = self.graph_manager
-        if manager is None:
+        driver = self.driver
+        if driver is None:
             return super().training_step(*args, **kwargs)
-        captures = manager.stats.captures
-        manager.begin_step(self.lightning_module.trainer.global_step)
+        driver.begin_micro_batch(self.lightning_module.trainer.global_step)
         try:
             return super().training_step(*args, **kwargs)
         finally:
-            manager.end_step()
-            if manager.stats.captures != captures:
-                stats = manager.stats
-                self._announce(
-                    f"cg_lightning: captured {stats.captured_runners} layer calls "
-                    f"({', '.join(layer.name for layer in manager.layers)}) with the {stats.backend} backend "
-                    f"in {stats.capture_seconds:.2f} s"
-                    + (f" ({stats.graph_sets} graph sets)" if stats.graph_sets > 1 else "")
-                    + (f", chained into {stats.segments} segment(s)" if stats.segments else "")
-                )
+            driver.end_forward()
+            summary = driver.capture_summary()
+            if summary is not None:
+                self._announce(str(summary))
 
     def _announce(self, message: str) -> None:
         """Rank 0 prints ``message`` on its own line: through the progress bar when one is drawn (a plain log
@@ -169,46 +181,61 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         else:
             rank_zero_info(message)
 
+    @override
     @contextmanager
     def block_backward_sync(self) -> Generator:
-        if self.engine is not None:
-            with self.engine.no_sync():
+        if self.driver is not None:
+            with self.driver.no_sync():
                 yield None
         else:
             yield None
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any):
-        """Lightning's backward, with the engine's part between autograd and ``on_after_backward``, where torch
-        DDP has its all-reduce done: the hooks see ``param.grad`` as under ``strategy="ddp"`` (the all-reduced
-        sum on the micro-batch that steps, the local sum so far on the others)."""
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)  # on_before_backward
-        if self.engine is not None:
-            # after on_before_backward, which sees (and may change) the sum so far in param.grad, as under "ddp"
-            self.engine.take_back_grads()
-        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
-        self._finish_engine_backward()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
+        """Lightning's backward, with the driver's events around the precision plugin's ``backward`` (autograd):
+        ``before_backward`` after ``on_before_backward``, which sees (and may change) the sum so far in
+        ``param.grad`` as under ``"ddp"``; ``after_backward`` (the all-reduce, ``param.grad`` pointing at
+        ``main_grad``) before ``on_after_backward``, where torch DDP has its all-reduce done."""
+        if self.driver is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self._driver_around_autograd(self.driver) as ran:
+            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if not ran:
+            raise RuntimeError(
+                "cg_lightning: Lightning's Strategy.backward did not call precision_plugin.backward, where "
+                "CUDAGraphDDPStrategy finishes the gradient sync; this Lightning version is not supported."
+            )
         return closure_loss
 
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        """The graph manager sees the loss (``graphs.direct_grad_ready``). Gradients still exposed from the last
-        micro-batch go back into ``main_grad`` in :meth:`backward`, after ``on_before_backward``."""
-        if self.graph_manager is not None:
-            self.graph_manager.before_backward(closure_loss)
+    @contextmanager
+    def _driver_around_autograd(self, driver: TrainingDriver) -> Iterator[list]:
+        """Within the block, the precision plugin's ``backward`` (the call that runs autograd, between the
+        ``on_before_backward`` and ``on_after_backward`` hooks) is wrapped in the driver's ``before_backward``
+        and ``after_backward``; an instance attribute over the plugin's method, removed afterwards. Yields a
+        list that holds ``True`` once the wrapped call has run."""
+        plugin = self.precision_plugin
+        had = "backward" in plugin.__dict__
+        saved = plugin.__dict__.get("backward")
+        inner = plugin.backward
+        ran: list = []
 
-    def _finish_engine_backward(self) -> None:
-        """Wait for the all-reduce (unless Lightning accumulates under ``no_sync``) and point ``param.grad`` at
-        ``main_grad``; on accumulation micro-batches only when that is the tensor itself (``ddp.grad_dtype``
-        unset or equal to the parameters' dtype), as a cast copy could not be carried back exactly."""
-        engine = self.engine
-        if engine is None:
-            return
-        if engine.sync_enabled:
-            engine.finish_grad_sync()
-        engine.expose_after_backward(completes_step=engine.sync_enabled)
+        def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            driver.before_backward(tensor)
+            out = inner(tensor, *args, **kwargs)
+            driver.after_backward()  # completes the step exactly when gradient sync is on (not under no_sync)
+            ran.append(True)
+            return out
 
+        plugin.backward = backward
+        try:
+            yield ran
+        finally:
+            if had:
+                plugin.backward = saved
+            else:
+                del plugin.backward
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -216,101 +243,56 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         model: Optional[Module] = None,
         **kwargs: Any,
     ) -> Any:
-        """Lightning's step (closure: forward, backward, clipping; then ``optimizer.step``), then the engine's
-        ``zero_grad_buffer``. With ``graphs.capture_optimizer`` the ``optimizer.step`` part is, once the layers
-        replay from graphs, first run eagerly with the groups prepared for capture, then captured, then
-        replayed (:class:`~cg_lightning.graphs.optimizer_step.OptimizerStepGraph`)."""
+        """Lightning's step (closure: forward, backward, clipping; then ``optimizer.step``) inside the driver's
+        ``stepping`` (the captured or cached optimizer step, where it applies), then ``after_optimizer_step``
+        (``main_grad`` zeroed)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        graph = self._optimizer_graph(optimizer)
-        cached = self._cached_step(optimizer)
-        if graph is not None and graph.phase in OPTIMIZER_GRAPH_ACTIVE:
-            with step_replaced(optimizer, graph.step):
-                out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        elif cached is not None and (graph is None or graph.phase == "eager"):
-            with step_replaced(optimizer, cached.step):
-                out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        else:
+        driver = self.driver
+        if driver is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        refusal = ("the GradScaler of 16-mixed checks the gradients for inf/NaN on the host before each step"
+                   if scaler is not None else None)
+        with driver.stepping(optimizer, refusal):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.engine is not None:
-            self.engine.zero_grad_buffer()
+        driver.after_optimizer_step()
         return out
-
-    def _optimizer_graph(self, optimizer: Optimizer) -> Optional[OptimizerStepGraph]:
-        """The optimizer's step graph once the layers replay and ``graphs.capture_optimizer`` is on; its groups
-        are prepared here, before the one eager step that precedes capture."""
-        manager = self.graph_manager
-        if manager is None or not self.graph_options.capture_optimizer:
-            return None
-        graph = self._optimizer_graphs.get(id(optimizer))
-        if graph is None:
-            if not manager.captured:
-                return None
-            graph = OptimizerStepGraph(optimizer, manager.backend)
-            self._optimizer_graphs[id(optimizer)] = graph
-            reason = optimizer_refusal(optimizer, manager.backend.name)
-            if reason is None and getattr(self.precision_plugin, "scaler", None) is not None:
-                reason = "the GradScaler of 16-mixed checks the gradients for inf/NaN on the host before each step"
-            if reason is None and self.engine is not None and any(
-                main_grad(p).dtype != p.dtype for p in self.engine.params
-            ):
-                reason = ("ddp.grad_dtype differs from the parameters' dtype, so the optimizer gets a new cast copy "
-                          "of main_grad every step; leave ddp.grad_dtype unset to capture the step")
-            if reason is not None:
-                graph.give_up(reason)
-            else:
-                graph.prepare()
-        return graph
-
-    def _cached_step(self, optimizer: Optimizer) -> Optional[CachedFusedAdamStep]:
-        """The cached fused Adam/AdamW step (``graphs.cached_optimizer_step``) for ``optimizer``, or ``None`` where
-        it does not apply (option off, graphs off, another optimizer)."""
-        if self.graph_manager is None or not self.graph_options.cached_optimizer_step:
-            return None
-        key = id(optimizer)
-        if key not in self._cached_steps:
-            self._cached_steps[key] = None if fused_adam_refusal(optimizer) else CachedFusedAdamStep(optimizer)
-        return self._cached_steps[key]
 
     @property
     def cached_optimizer_steps(self) -> int:
         """Optimizer steps taken on cached tensor lists so far in this fit (``graphs.cached_optimizer_step``)."""
-        return sum(c.cached_steps for c in self._cached_steps.values() if c is not None)
+        return self.driver.cached_optimizer_steps if self.driver is not None else 0
 
     @property
     def optimizer_replays(self) -> int:
         """Optimizer steps replayed from a graph so far in this fit (``graphs.capture_optimizer``)."""
-        return sum(graph.replays for graph in self._optimizer_graphs.values())
+        return self.driver.optimizer_replays if self.driver is not None else 0
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
         """The optimizer's state dict, with ``capturable`` as the user set it (a captured step sets it on every
         group), so the checkpoint loads under any strategy."""
         state = super().optimizer_state(optimizer)
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        graph = self._optimizer_graphs.get(id(raw))
-        return graph.state_dict_view(state) if graph is not None else state
+        return self.driver.optimizer_state_view(raw, state) if self.driver is not None else state
 
     # ----------------------------------------------------------------- teardown
+    @override
     def teardown(self) -> None:
         self.last_optimizer_replays = self.optimizer_replays
         self.last_cached_optimizer_steps = self.cached_optimizer_steps
-        self._cached_steps = {}
-        for graph in self._optimizer_graphs.values():
-            if graph.phase in OPTIMIZER_GRAPH_ACTIVE:
-                graph.restore()
-        self._optimizer_graphs = {}
-        if self.graph_manager is not None:
-            self.last_graph_stats = self.graph_manager.stats
-            self.graph_manager.remove()
-            self.graph_manager = None
         if isinstance(self.model, DataParallelEngine):
             self.model = self.lightning_module
-        if self.engine is not None:
-            self.engine.close()
-        self.engine = None
+        driver, self.driver = self.driver, None
+        if driver is not None:
+            driver.close()
+            if driver.last_graph_stats is not None:
+                self.last_graph_stats = driver.last_graph_stats
         super().teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register(
             cls.strategy_name,

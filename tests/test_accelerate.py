@@ -548,3 +548,17 @@ def test_end_training_keeps_exposed_gradients_and_none_as_plain(fresh_accelerate
     for n, p in raw.named_parameters():
         if n != "head.weight":
             assert torch.equal(p.grad, expected[n]) and p.grad.data_ptr() != p.main_grad.data_ptr()
+
+
+def test_overridden_accelerate_methods_are_marked():
+    """Every ``Accelerator`` / ``AcceleratedOptimizer`` method the integration overrides is marked ``@override``."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from cg_lightning.accelerate import CUDAGraphAccelerator, GradBufferOptimizer
+
+    for cls, base in ((CUDAGraphAccelerator, Accelerator), (GradBufferOptimizer, AcceleratedOptimizer)):
+        names = [n for n, v in vars(cls).items() if n != "__init__" and callable(v) and hasattr(base, n)]
+        assert names
+        for name in names:
+            assert getattr(vars(cls)[name], "__override__", False), f"{cls.__name__}.{name} lacks @override"

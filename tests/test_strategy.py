@@ -217,3 +217,81 @@ def test_block_applied_several_times_with_accumulation_is_bit_exact(segments):
     assert rec.losses == ref.losses
     for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def _overrides(cls, base):
+    """``(name, function)`` of every method ``cls`` defines that ``base`` also has (constructor aside)."""
+    out = []
+    for name, value in vars(cls).items():
+        if name == "__init__" or not hasattr(base, name):
+            continue
+        func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+        if callable(func):
+            out.append((name, func))
+    return out
+
+
+def test_overridden_lightning_hooks_are_public_and_marked():
+    """The strategy overrides public Lightning hooks only (a private one can change in any Lightning release
+    without notice), each marked ``@override``."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    overridden = _overrides(cg_lightning.CUDAGraphDDPStrategy, DDPStrategy)
+    assert {"configure_ddp", "backward", "training_step", "optimizer_step", "teardown"} <= {n for n, _ in overridden}
+    for name, func in overridden:
+        assert not name.startswith("_"), f"CUDAGraphDDPStrategy overrides Lightning's private {name}"
+        assert getattr(func, "__override__", False), f"CUDAGraphDDPStrategy.{name} lacks @override"
+
+
+class _HookOrder(__import__("lightning").pytorch.Callback):
+    """Records, per backward, the Lightning hooks and the lifecycle driver's backward events in the order they
+    run, with whether ``param.grad`` was set at each."""
+
+    def __init__(self) -> None:
+        self.events = []
+
+    def _grad_set(self, pl_module) -> bool:
+        return all(p.grad is not None for p in pl_module.parameters())
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        driver = trainer.strategy.driver
+        for name in ("before_backward", "after_backward"):
+            inner = getattr(driver, name)
+
+            def spy(*args, _inner=inner, _name=name, **kwargs):
+                out = _inner(*args, **kwargs)
+                self.events.append((_name, self._grad_set(pl_module)))
+                return out
+
+            setattr(driver, name, spy)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.events.append(("on_before_backward", self._grad_set(pl_module)))
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.events.append(("on_after_backward", self._grad_set(pl_module)))
+
+
+def test_backward_is_lightnings_with_the_driver_around_autograd():
+    """``CUDAGraphDDPStrategy.backward`` runs Lightning's own ``Strategy.backward`` (no copy of it): the driver's
+    ``before_backward`` comes after ``on_before_backward`` (which sees the sum so far on the second micro-batch
+    of a window) and drops ``param.grad``; ``after_backward`` comes before ``on_after_backward`` and exposes the
+    gradients. The precision plugin is left as it was."""
+    from tests.helpers import Trainer
+
+    from examples.data import TextDataModule
+    from examples.gpt import GPTLightningModule
+
+    order = _HookOrder()
+    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 1, "backend": "eager"})
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, accumulate_grad_batches=2,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[order])
+    trainer.fit(GPTLightningModule(n_layer=1, d_model=32, n_head=2, block_size=16),
+                datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=50_000))
+    window = [("on_before_backward", False), ("before_backward", False), ("after_backward", True),
+              ("on_after_backward", True),
+              ("on_before_backward", True), ("before_backward", False), ("after_backward", True),
+              ("on_after_backward", True)]
+    assert order.events == window * 3
+    assert "backward" not in trainer.precision_plugin.__dict__

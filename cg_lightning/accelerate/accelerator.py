@@ -11,14 +11,15 @@ point for a data-parallel engine, so, like other libraries that bring their own 
 ``Accelerator`` and overrides the few methods involved):
 
 * ``prepare_model``: Accelerate's own preparation (autocast forward, device placement) without its torch
-  DDP wrap; then a :class:`~cg_lightning.graphs.GraphManager` on the chosen layers and a
-  :class:`GraphedDataParallel` around the model, in the order ``CUDAGraphDDPStrategy._setup_model`` uses.
+  DDP wrap; then graphs on the chosen layers (:func:`~cg_lightning.lifecycle.apply_graphs`) and a
+  :class:`GraphedDataParallel` around the model, whose :class:`~cg_lightning.lifecycle.TrainingDriver` the
+  calls below drive, as the Lightning strategy drives its own.
 * ``prepare_optimizer``: a :class:`GradBufferOptimizer`, whose ``zero_grad`` zeroes ``main_grad``.
 * ``no_sync`` (and so ``accumulate``): the engine's ``no_sync``, also in a single process, where it
   keeps non-final micro-batches from finishing the gradient sync.
-* ``backward``: after autograd, waits for the engine's buckets and, when ``sync_gradients`` is true,
-  points ``param.grad`` at ``main_grad``, so ``clip_grad_norm_`` and the optimizer see the reduced
-  gradients.
+* ``backward``: the driver's ``before_backward`` and, after autograd, ``after_backward``: waits for the
+  engine's buckets (unless under ``no_sync``) and points ``param.grad`` at ``main_grad``, so
+  ``clip_grad_norm_`` and the optimizer see the reduced gradients; prints the driver's ``capture_summary``.
 * ``unwrap_model``: also removes the engine.
 """
 
@@ -32,9 +33,11 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, DynamoBackend
+from typing_extensions import override
 
 from ..ddp import DDPOptions
-from ..graphs import GraphManager, GraphOptions
+from ..graphs import GraphOptions
+from ..lifecycle import apply_graphs
 from ..options import as_options
 from .engine import GraphedDataParallel
 from .optimizer import GradBufferOptimizer
@@ -85,7 +88,6 @@ class CUDAGraphAccelerator(Accelerator):
                 "Set bucket sizes and averaging with ddp={'bucket_size_mb': ..., 'average': ...}."
             )
         self._graph_engines: List[GraphedDataParallel] = []
-        self._captures_seen: Dict[int, int] = {}
 
     # ----------------------------------------------------------------- prepare
     def _check_supported(self) -> None:
@@ -106,6 +108,7 @@ class CUDAGraphAccelerator(Accelerator):
                 f"for it."
             )
 
+    @override
     def prepare(self, *args: Any, device_placement=None):
         """``Accelerator.prepare``; refuses the set-ups this engine does not serve before anything is wrapped.
 
@@ -119,6 +122,7 @@ class CUDAGraphAccelerator(Accelerator):
             self._check_supported()
         return super().prepare(*args, device_placement=device_placement)
 
+    @override
     def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False):
         """Prepare ``model`` for training: Accelerate's autocast and placement, then graphs and the engine.
@@ -138,15 +142,14 @@ class CUDAGraphAccelerator(Accelerator):
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         if not any(p.requires_grad for p in model.parameters()):
             return model
-        manager = None
-        if self.graph_options.enabled:
-            manager = GraphManager(model, self.graph_options, self.device, accumulate_into_main_grad=True)
+        manager = apply_graphs(model, self.graph_options, self.device)
         engine = GraphedDataParallel(model, self.ddp_options, manager)
         self._models[self._models.index(model)] = engine
         engine._is_accelerate_prepared = True
         self._graph_engines.append(engine)
         return engine
 
+    @override
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None):
         """Wrap ``optimizer`` in a :class:`GradBufferOptimizer` (an ``AcceleratedOptimizer``)."""
         if getattr(optimizer, "_is_accelerate_prepared", False):
@@ -163,6 +166,7 @@ class CUDAGraphAccelerator(Accelerator):
         return [e for e in self._graph_engines if any(id(p) in ids for p in e.params)]
 
     # ----------------------------------------------------------------- step
+    @override
     @contextlib.contextmanager
     def no_sync(self, model) -> Iterator[None]:
         """Accumulate gradients locally: the engine's ``no_sync`` for engines, Accelerate's otherwise."""
@@ -173,6 +177,7 @@ class CUDAGraphAccelerator(Accelerator):
             with super().no_sync(model):
                 yield
 
+    @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``Accelerator.backward`` (loss divided by the accumulation steps, fp16 scaling), then the engine.
 
@@ -184,10 +189,7 @@ class CUDAGraphAccelerator(Accelerator):
         Raises:
             GradSyncError: a parameter did not report its gradient on some rank (named in the message).
         """
-        active = [engine for engine in self._graph_engines if engine.start_backward()]
-        for engine in active:
-            if engine.graph_manager is not None:
-                engine.graph_manager.before_backward(loss)
+        active = [engine for engine in self._graph_engines if engine.start_backward(loss)]
         for engine in self._graph_engines:
             engine.hooks_armed = True
         try:
@@ -211,29 +213,14 @@ class CUDAGraphAccelerator(Accelerator):
             if not engine.reached:
                 # the loss did not depend on this model's forward (a GAN generator's detached output in the
                 # discriminator's loss): its micro-batch waits for a backward that reaches it
-                engine.backward_pending = True
+                engine.defer_backward()
                 continue
             engine.finish_backward(completes_step=self.sync_gradients)
-            self._report_capture(engine)
+            summary = engine.driver.capture_summary()
+            if summary is not None:
+                self.print(str(summary))
 
-    def _report_capture(self, engine: GraphedDataParallel) -> None:
-        """Print (main process) when the engine's graphs were captured in this micro-batch."""
-        manager = engine.graph_manager
-        if manager is None:
-            return
-        stats = manager.stats
-        captures = getattr(stats, "captures", int(manager.captured))
-        if captures == self._captures_seen.get(id(engine), 0):
-            return
-        self._captures_seen[id(engine)] = captures
-        sets = getattr(stats, "graph_sets", 1)
-        self.print(
-            f"cg_lightning: captured {stats.captured_runners} layer calls "
-            f"({', '.join(layer.name for layer in manager.layers)}) with the {stats.backend} backend "
-            f"in {stats.capture_seconds:.2f} s" + (f" ({sets} graph sets)" if sets > 1 else "")
-            + (f", chained into {stats.segments} segment(s)" if getattr(stats, "segments", 0) else "")
-        )
-
+    @override
     def free_memory(self, *objects):
         """Accelerate's ``free_memory``; also releases the engines (``GraphedDataParallel.release``): their
         models train as if never prepared again (hooks and graphs removed; ``prepare`` wraps them anew)."""
@@ -242,6 +229,7 @@ class CUDAGraphAccelerator(Accelerator):
         gc.collect()  # an engine and its grad hooks form a reference cycle; Accelerate collects too early
         return objects
 
+    @override
     def end_training(self) -> None:
         """Accelerate's ``end_training``; first releases the engines, as :meth:`free_memory` does, so a backward
         through the model after training (``accelerator.unwrap_model(model)``) fills ``param.grad`` again."""
@@ -252,8 +240,8 @@ class CUDAGraphAccelerator(Accelerator):
         for engine in self._graph_engines:
             engine.release()
         self._graph_engines = []
-        self._captures_seen = {}
 
+    @override
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         """The user's model: removes the engine, then whatever Accelerate added."""
         if isinstance(model, GraphedDataParallel):

@@ -1,22 +1,22 @@
-"""``GraphedDataParallel``: the DDP engine with the graph manager and the step points an Accelerate loop has.
+"""``GraphedDataParallel``: the DDP engine that turns an Accelerate loop's calls into the lifecycle's events.
 
-Under Lightning, :class:`~cg_lightning.CUDAGraphDDPStrategy` is told where a training micro-batch starts
-(``training_step``), where its backward ends (``post_backward``) and when the optimizer stepped. An
-Accelerate script calls ``model(...)``, ``accelerator.backward(loss)``, ``optimizer.step()`` and
-``optimizer.zero_grad()`` instead; this engine turns those calls into the same events:
+Under Lightning, :class:`~cg_lightning.CUDAGraphDDPStrategy` maps Lightning's hooks onto a
+:class:`~cg_lightning.lifecycle.TrainingDriver`. An Accelerate script calls ``model(...)``,
+``accelerator.backward(loss)``, ``optimizer.step()`` and ``optimizer.zero_grad()`` instead; this engine owns
+a driver and maps those calls onto the same events:
 
 * **micro-batch start**: the first forward with autograd enabled since the last backward calls
-  ``GraphManager.begin_step(steps)``. Every forward until the backward belongs to that
-  micro-batch, so a layer called twice gets call indices 0 and 1, as in one ``training_step``.
+  ``begin_micro_batch(steps)``. Every forward until the backward belongs to that micro-batch, so a layer
+  called twice gets call indices 0 and 1, as in one ``training_step``.
 * **backward** (driven by :meth:`CUDAGraphAccelerator.backward
-  <cg_lightning.accelerate.CUDAGraphAccelerator.backward>`): :meth:`start_backward` ends the micro-batch
-  (``end_step``); after autograd, :meth:`finish_backward` waits for the buckets (unless under
-  :meth:`no_sync`) and points ``param.grad`` at ``main_grad``, for clipping and the optimizer on the
-  micro-batch that completes an optimizer step and, as plain PyTorch has it, on the others too.
+  <cg_lightning.accelerate.CUDAGraphAccelerator.backward>`): :meth:`start_backward` is the driver's
+  ``before_backward`` (the micro-batch ends, exposed gradients go back into ``main_grad``); after autograd,
+  :meth:`finish_backward` is ``after_backward``: it waits for the buckets (unless under :meth:`no_sync`) and
+  points ``param.grad`` at ``main_grad``, for clipping and the optimizer on the micro-batch that completes an
+  optimizer step and, as plain PyTorch has it, on the others too.
 * **step count**: every micro-batch whose backward ran with Accelerate's ``sync_gradients`` completes one
-  optimizer step;
-  their number is the manager's global step (as Lightning's ``global_step``), so the schedule does not
-  depend on the optimizer being prepared.
+  optimizer step; their number (the driver's ``completed_steps``) is the graph schedule's step (as
+  Lightning's ``global_step``), so the schedule does not depend on the optimizer being prepared.
 * **zero_grad**: the prepared optimizer's ``zero_grad`` calls :meth:`zero_grad_buffer`. Gradients
   dropped or replaced in ``param.grad`` by other means (a raw optimizer's ``zero_grad``) are carried
   into ``main_grad`` before the next backward, so the result is what eager PyTorch computes.
@@ -31,16 +31,19 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from typing_extensions import override
 
 from .. import protocol
 from ..ddp import DataParallelEngine, DDPOptions
 from ..graphs import GraphManager, GraphStats
+from ..lifecycle import TrainingDriver, capture_stream
 
 _GRAD = operator.attrgetter("grad")
 
 
 class GraphedDataParallel(DataParallelEngine):
-    """:class:`~cg_lightning.ddp.DataParallelEngine` that drives a :class:`~cg_lightning.graphs.GraphManager`.
+    """:class:`~cg_lightning.ddp.DataParallelEngine` that drives a graph manager through a
+    :class:`~cg_lightning.lifecycle.TrainingDriver`.
 
     Args:
         module: the model, already on its device (with Accelerate's autocast forward, if any). Its
@@ -48,10 +51,12 @@ class GraphedDataParallel(DataParallelEngine):
             rank 0.
         options: :class:`~cg_lightning.ddp.DDPOptions` (bucket size in MiB, averaging, ``main_grad``
             dtype, timeout in seconds).
-        graph_manager: a manager already installed on ``module``'s layers, built with
-            ``accumulate_into_main_grad=True``; ``None`` trains eagerly through the same engine.
+        graph_manager: a manager already installed on ``module``'s layers
+            (:func:`~cg_lightning.lifecycle.apply_graphs`, ``accumulate_into_main_grad=True``); ``None``
+            trains eagerly through the same engine.
 
     Attributes:
+        driver: the :class:`~cg_lightning.lifecycle.TrainingDriver` over the manager and this engine.
         graph_manager: the manager, or ``None``.
         steps: optimizer steps completed so far (int): micro-batches whose backward ran with
             ``sync_gradients``. Graphs are scheduled by it (capture happens in the first micro-batch with
@@ -73,43 +78,50 @@ class GraphedDataParallel(DataParallelEngine):
         options: Optional[DDPOptions] = None,
         graph_manager: Optional[GraphManager] = None,
     ) -> None:
-        backend = graph_manager.backend if graph_manager is not None else None
-        super().__init__(module, options, grad_accumulator_stream=getattr(backend, "stream", None))
-        self.graph_manager = graph_manager
-        if graph_manager is not None:
-            graph_manager.bind_grad_ready(self.grad_ready)
-        self.steps = 0
-        self.micro_batch_open = False
+        super().__init__(module, options, grad_accumulator_stream=capture_stream(graph_manager))
+        graph_options = graph_manager.options if graph_manager is not None else None
+        self.driver = TrainingDriver(graph_options, graph_manager, self)
         # the last backward through accelerator.backward completed an optimizer step, and the optimizer has not
         # stepped since (what check_ready_for_step asks for)
         self._step_backward_done = False
         # armed by CUDAGraphAccelerator.backward only: a backward outside it (through accelerator.unwrap_model's
         # model, or after training) fills param.grad as plain PyTorch does
         self.hooks_armed = False
-        #: a forward ran whose micro-batch no backward has reached yet (CUDAGraphAccelerator.backward): a GAN's
-        #: generator, whose detached output fed the discriminator's loss, waits for the generator's loss
-        self.backward_pending = False
+
+    @property
+    def graph_manager(self) -> Optional[GraphManager]:
+        return self.driver.graph_manager
+
+    @property
+    def steps(self) -> int:
+        return self.driver.completed_steps
+
+    @property
+    def micro_batch_open(self) -> bool:
+        return self.driver.micro_batch_open
 
     @property
     def graph_stats(self) -> Optional[GraphStats]:
         """The manager's counters (captured runners, replays, eager calls, capture seconds), or ``None``."""
-        return self.graph_manager.stats if self.graph_manager is not None else None
+        manager = self.driver.graph_manager
+        return manager.stats if manager is not None else self.driver.last_graph_stats
 
+    @override
     def forward(self, *args, **kwargs):
         """Open a micro-batch at the first forward with autograd since the last backward, then the engine's
         forward (buffers broadcast from rank 0 when due, ``ddp.broadcast_buffers``; then the module)."""
-        if not self.micro_batch_open and torch.is_grad_enabled():
-            self.micro_batch_open = True
-            if self.graph_manager is not None:
-                self.graph_manager.begin_step(self.steps)
+        if not self.driver.micro_batch_open and torch.is_grad_enabled():
+            self.driver.begin_micro_batch()
         return super().forward(*args, **kwargs)
 
     # ----------------------------------------------------------------- backward
-    def start_backward(self) -> bool:
-        """Close the micro-batch before autograd runs; return whether one was open.
+    def start_backward(self, loss: torch.Tensor) -> bool:
+        """Before autograd runs for ``loss``: the driver's ``before_backward``; return whether a micro-batch of
+        this model was waiting for a backward (its forward ran since the last backward, or an earlier backward
+        did not reach it).
 
         If gradients are still exposed (no ``zero_grad`` through the prepared optimizer or model since the
-        last step), ``param.grad`` is taken back into ``main_grad`` first, as eager PyTorch would keep
+        last step), the driver takes ``param.grad`` back into ``main_grad`` first, as eager PyTorch would keep
         accumulating into it: ``None`` (zeroed with ``set_to_none``) zeroes ``main_grad``, another tensor is
         copied in, the alias itself keeps its values. Then ``param.grad`` is dropped, since autograd would
         otherwise add into ``main_grad`` in place and the hook would add the same gradient again.
@@ -119,17 +131,10 @@ class GraphedDataParallel(DataParallelEngine):
         PyTorch does): it is added into ``main_grad`` and dropped, so this backward accumulates onto it as plain
         PyTorch would, for graphed and eager parameters alike.
         """
-        was_open = self.micro_batch_open or self.backward_pending
-        self.micro_batch_open = False
-        self.backward_pending = False
         self.reached = False
-        if self.graph_manager is not None:
-            self.graph_manager.end_step()
-        if self.grads_exposed:
-            self.take_back_grads()
-        else:
+        if not self.grads_exposed:
             self._carry_outside_grads()
-        return was_open
+        return self.driver.before_backward(loss)
 
     def _carry_outside_grads(self) -> None:
         grads = list(map(_GRAD, self.params))
@@ -141,28 +146,29 @@ class GraphedDataParallel(DataParallelEngine):
                     protocol.main_grad(p).add_(g)
                     p.grad = None
 
+    def defer_backward(self) -> None:
+        """The backward did not reach this model (a GAN generator's detached output in the discriminator's
+        loss): its micro-batch waits for a backward that reaches it."""
+        self.driver.defer_backward()
+
     def finish_backward(self, completes_step: bool) -> None:
-        """After autograd: wait for the buckets (unless under :meth:`no_sync`), then point ``param.grad`` at
-        ``main_grad``, as plain PyTorch holds the sum so far in ``param.grad`` after every backward: on an
-        accumulation micro-batch too (the local, not yet all-reduced sum), so clipping, scaling or reading it
-        there works as without the engine. Only where ``ddp.grad_dtype`` differs from the parameters' dtype
-        (``param.grad`` would be a cast copy, which :meth:`take_back_grads` could not carry back exactly) are
-        accumulation micro-batches left with ``param.grad`` ``None``.
+        """After autograd, the driver's ``after_backward``: wait for the buckets (unless under :meth:`no_sync`),
+        then point ``param.grad`` at ``main_grad``, as plain PyTorch holds the sum so far in ``param.grad`` after
+        every backward: on an accumulation micro-batch too (the local, not yet all-reduced sum), so clipping,
+        scaling or reading it there works as without the engine. Only where ``ddp.grad_dtype`` differs from the
+        parameters' dtype (``param.grad`` would be a cast copy, which the next backward could not carry back
+        exactly) are accumulation micro-batches left with ``param.grad`` ``None``.
 
         Args:
             completes_step: the micro-batch completes an optimizer step (counted in :attr:`steps`).
         """
-        if self.sync_enabled:
-            self.finish_grad_sync()
-        self.expose_after_backward(completes_step)
+        self.driver.after_backward(completes_step)
         self._step_backward_done = completes_step
-        if completes_step:
-            self.steps += 1
 
     # ----------------------------------------------------------------- optimizer
     def check_ready_for_step(self) -> None:
         """Raise if a forward's backward did not go through ``accelerator.backward`` (no grads exposed)."""
-        if self.micro_batch_open and not self._step_backward_done:
+        if self.driver.micro_batch_open and not self._step_backward_done:
             raise RuntimeError(
                 "cg_lightning: the optimizer steps while a forward's backward has not gone through "
                 "accelerator.backward(loss). With CUDAGraphAccelerator call accelerator.backward(loss) "
@@ -171,12 +177,10 @@ class GraphedDataParallel(DataParallelEngine):
             )
 
     def after_optimizer_step(self) -> None:
-        """Close a micro-batch left open by a forward after the backward (the next forward starts a new one)."""
+        """Close a micro-batch left open by a forward after the backward (the next forward starts a new one);
+        ``main_grad`` is zeroed by the optimizer's ``zero_grad``, not here."""
         self._step_backward_done = False
-        if self.micro_batch_open:
-            self.micro_batch_open = False
-            if self.graph_manager is not None:
-                self.graph_manager.end_step()
+        self.driver.after_optimizer_step(zero_grad=False)
 
     def covers_all(self, params) -> bool:
         """Whether ``params`` (an optimizer's) include every trainable parameter of this engine: its
@@ -187,6 +191,7 @@ class GraphedDataParallel(DataParallelEngine):
         ids = {id(p) for p in params}
         return all(id(p) in ids for p in self.params)
 
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad`` that also zeroes ``main_grad`` (where the gradients really are)."""
         super().zero_grad(set_to_none)
@@ -194,15 +199,15 @@ class GraphedDataParallel(DataParallelEngine):
 
     def remove_graphs(self) -> None:
         """Restore the graphed layers' own ``forward`` and drop the graphs (the engine keeps working)."""
-        if self.graph_manager is not None:
-            self.graph_manager.remove()
+        if self.driver.graph_manager is not None:
+            self.driver.graph_manager.remove()
 
     def release(self) -> None:
         """Give the model back as if never prepared: graphs removed, the engine's hooks removed (a later
         ``backward`` fills ``param.grad`` again), ``param.grad`` no longer pointing at ``main_grad``, and
-        Accelerate's "prepared" mark taken off the model, so ``prepare`` wraps it again. Called by
+        Accelerate's "prepared" mark taken off the model, so ``prepare`` wraps it again (the driver's ``close``;
+        :attr:`graph_stats` keeps the counters). Called by
         ``CUDAGraphAccelerator.free_memory`` and ``end_training``; the engine must not be used afterwards."""
-        self.remove_graphs()
         if self.grads_exposed:
             had_grad = [p.grad is not None for p in self.params]  # None stays None, as plain PyTorch leaves it
             self.take_back_grads()
@@ -210,5 +215,5 @@ class GraphedDataParallel(DataParallelEngine):
                 if keep:
                     main = protocol.main_grad(p)
                     p.grad = main.detach().clone() if main.dtype is p.dtype else main.to(p.dtype)
-        self.close()
+        self.driver.close()
         self.module.__dict__.pop("_is_accelerate_prepared", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from accelerate.optimizer import AcceleratedOptimizer
+from typing_extensions import override
 
 from .engine import GraphedDataParallel
 
@@ -37,6 +38,7 @@ class GradBufferOptimizer(AcceleratedOptimizer):
         super().__init__(optimizer, device_placement=device_placement, scaler=scaler)
         self._engines = engines
 
+    @override
     def step(self, closure=None):
         if not self.gradient_state.sync_gradients:
             return super().step(closure)  # an accumulation micro-batch: Accelerate skips the step
@@ -48,6 +50,7 @@ class GradBufferOptimizer(AcceleratedOptimizer):
             engine.after_optimizer_step()
         return out
 
+    @override
     def zero_grad(self, set_to_none=None) -> None:
         """Accelerate's ``zero_grad``; on a step micro-batch also the ``main_grad`` buffer of every engine whose
         parameters this optimizer all holds. An engine shared with other optimizers keeps their gradients
