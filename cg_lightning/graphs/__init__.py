@@ -7,7 +7,8 @@ from .buffer_reuse import BufferReuseError
 from .checkpointing import CheckpointWithoutOutput, checkpoint
 from .manager import GraphManager, GraphStats
 from .options import GraphOptions
-from .runner import GraphCaptureError, LayerGraphRunner
+from .guards import GraphCaptureError
+from .runner import LayerGraphRunner
 from .segments import SegmentError
 from .signature import GraphSignatureError
 from .state import is_graph_capturing, is_graph_warmup

@@ -24,7 +24,7 @@ from typing import List, Sequence
 import torch
 
 from ..torch_compat import non_owning_alias, version
-from .segments import SegmentError
+from .segments.errors import SegmentError
 
 
 class BufferReuseError(RuntimeError):
@@ -51,16 +51,13 @@ def share_inputs_with_previous_outputs(prev, runner) -> List[int]:
     Call after ``prev.capture_forward()`` and before ``runner.capture_forward()``. Returns the shared
     input positions (also stored as ``runner.shared_inputs``).
     """
-    outs = prev._fwd.outputs
-    shared = []
+    outs = prev.forward_outputs
+    shared = {}
     for j, static in enumerate(runner.static_inputs):
         if j < len(outs) and outs[j] is not None and _same_meta(outs[j], static):
-            runner.static_inputs[j] = outs[j].detach().requires_grad_(static.requires_grad)
-            shared.append(j)
-    runner.shared_inputs = shared
-    runner.shared_from = prev
-    prev.outputs_shared = bool(shared)  # prev then records its outputs' version counters at every replay
-    return shared
+            shared[j] = outs[j].detach().requires_grad_(static.requires_grad)
+    runner.share_inputs(prev, shared)
+    return list(shared)
 
 
 def share_grad_outputs_with_next_grad_inputs(runner, nxt) -> None:
@@ -69,16 +66,17 @@ def share_grad_outputs_with_next_grad_inputs(runner, nxt) -> None:
     Call after ``nxt.capture_backward()`` and before ``runner.capture_backward()``. Only positions where
     ``nxt``'s input ``k`` is ``runner``'s output ``k`` (see :func:`share_inputs_with_previous_outputs`).
     """
-    if nxt._bwd is None:
+    outputs = nxt.backward_outputs
+    if outputs is None:
         return
-    grad_inputs = nxt._bwd.outputs[: len(nxt.static_inputs)]
+    grad_inputs = outputs[: len(nxt.static_inputs)]
     it = iter(grad_inputs)
     by_input = [next(it) if t.requires_grad else None for t in nxt.static_inputs]
     for k in nxt.shared_inputs:
         if k < len(runner.static_grad_outputs) and runner.static_grad_outputs[k] is not None:
             g = by_input[k]
             if g is not None and _same_meta(g, runner.static_grad_outputs[k]):
-                runner.static_grad_outputs[k] = g
+                runner.share_grad_output(k, g)
 
 
 def release_param_grad_outputs(runner) -> int:
@@ -87,15 +85,15 @@ def release_param_grad_outputs(runner) -> int:
     Only for the CUDA backend (the eager backend has no pool to give memory back to) and only slots that
     are cloned at every replay. Returns the bytes released.
     """
-    graph = runner._bwd
-    if graph is None or runner.backend.name != "cuda":
+    outputs = runner.backward_outputs
+    if outputs is None or runner.backend.name != "cuda":
         return 0
-    n_in = len(graph.outputs) - len(runner.edge_params)
+    n_in = len(outputs) - len(runner.edge_params)
     released = 0
     for k, clone in enumerate(runner.clone_slots):
-        t = graph.outputs[n_in + k]
+        t = outputs[n_in + k]
         if clone and t is not None:
-            graph.outputs[n_in + k] = non_owning_alias(t)
+            runner.replace_param_grad_output(k, non_owning_alias(t))
             released += t.untyped_storage().nbytes()
     return released
 

@@ -17,7 +17,7 @@ from .buffer_reuse import (
     share_inputs_with_previous_outputs,
 )
 from .main_grad_adds import MainGradAdds
-from .runner import GraphCaptureError
+from .guards import GraphCaptureError
 from .segments import members_capturing, segment_capture
 
 
@@ -52,7 +52,7 @@ def capture_in_order(
 
     groups = segments if segments is not None else [[i] for i in range(len(runners))]
     for r in real:  # each backward body adds its own (a segment's capture below shares one MainGradAdds)
-        r.main_grad_adds = MainGradAdds(flush_bytes=0)
+        r.set_main_grad_adds(MainGradAdds(flush_bytes=0))
     with preserved_training_state(model, layers, restore_grads), uncached_autocast():
         for runner in runners:
             with runner.backend.warmup_stream():
@@ -98,11 +98,8 @@ def _capture_segment_forward(members: Sequence, run) -> None:
         for j, r in enumerate(members):
             if j > 0:
                 share_inputs_with_previous_outputs(members[j - 1], r)
-            r.defer_static_grad_outputs = True
-            try:
+            with r.deferring_static_grad_outputs():
                 run(r, r.capture_forward)
-            finally:
-                r.defer_static_grad_outputs = False
     for r in members:
         r.make_static_grad_outputs()
 
@@ -113,7 +110,7 @@ def _capture_segment_backward(members: Sequence, run) -> None:
     adds = MainGradAdds()  # the members' main_grad additions, launched together (main_grad_adds)
     with segment_capture(members[0].backend, members[0].pool) as seg, members_capturing(members, seg):
         for r in members:
-            r.main_grad_adds = adds
+            r.set_main_grad_adds(adds)
         for j in reversed(range(len(members))):
             if j + 1 < len(members):
                 share_grad_outputs_with_next_grad_inputs(members[j], members[j + 1])

@@ -20,7 +20,7 @@ therefore chosen from evidence, never guessed:
 2. at the first backward in which its runner replayed (the strategy hands the loss in; a step whose call
    ran eagerly leaves it pending): the autograd graph from the loss is walked once, and a candidate is
    confirmed only if its ``AccumulateGrad`` node has exactly one producer, the replay node of its own
-   runner (or the one node of the segment it belongs to, :mod:`.segment_node`).
+   runner (or the one node of the segment it belongs to, :mod:`.segments.node`).
 
 Confirmed parameters lose their edge from the next step on; the replay reports them after its backward
 graph ran (after the recorded nested notifications, where their ``AccumulateGrad`` nodes would have run).

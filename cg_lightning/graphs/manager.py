@@ -23,6 +23,7 @@ autograd replay forward-only graphs kept apart from the training graphs (:mod:`.
 
 from __future__ import annotations
 
+import enum
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -38,11 +39,12 @@ from .eval_graphs import EvalGraphs
 from .graph_sets import CallRecord, GraphSet, GraphSetCache, StepRecord, describe
 from .options import GraphOptions
 from .replay import ReplayFunction
-from . import segment_node
-from .runner import LayerGraphRunner, watch_grad_layouts
+from .grad_layouts import watch_grad_layouts
+from .runner import LayerGraphRunner
 from .selection import select_layers
 from .autocast import autocast_state
 from .segments import SegmentError, breaks_between, draws, find_segments, mark_outside_uses, rng_state
+from .segments import node as segment_node
 from .set_capture import capture_calls
 from .signature import CallSignature, GraphSignatureError
 
@@ -73,6 +75,19 @@ class GraphStats:
     eval_graphs: int = 0  # forward-only graphs of eval-mode calls (graphs.capture_eval)
     direct_ready_params: int = 0  # parameters the replays report ready themselves (graphs.direct_grad_ready)
     eval_replays: int = 0
+
+
+class StepMode(enum.Enum):
+    """What the graphed calls of the current training step do; fixed at the step's first graphed call."""
+
+    UNSTARTED = "unstarted"  #: no graphed call yet in this step
+    RECORD = "record"  #: run eagerly and record the calls (warmup, or a new signature under "recapture")
+    REPLAY = "replay"  #: replay the active graph set's runners
+    EAGER = "eager"  #: run eagerly (every layer failed, or the graph-set cache is full)
+
+
+#: what :meth:`GraphManager._follow_segment` returns when the member replays through its own node
+_NOT_HANDED = object()
 
 
 @dataclass
@@ -126,7 +141,7 @@ class GraphManager:
         self._global_step = 0
         self._calls: Dict[int, int] = {}
         self._in_training_step = False
-        self._mode: Optional[str] = None  # this step: "record", "replay" or "eager"; None before its first call
+        self._mode = StepMode.UNSTARTED
         self._recording: Optional[StepRecord] = None
         self._active: Optional[GraphSet] = None
         self._cache_full_warned = False
@@ -174,7 +189,7 @@ class GraphManager:
         self._replayed = set()  # id(runner) replayed in this step, while a set has direct-ready candidates
         self._calls = {}
         self._in_training_step = True
-        self._mode = None
+        self._mode = StepMode.UNSTARTED
         self._recording = None
         self._active = None
 
@@ -187,7 +202,7 @@ class GraphManager:
         no segment is built across them. At the first backward of a step that replayed a graph set
         (``graphs.direct_grad_ready``): confirm which candidate parameters only their own replay reaches;
         they are reported by the replay from the next step on."""
-        if self._mode == "record" and self.options.segments and isinstance(loss, torch.Tensor):
+        if self._mode is StepMode.RECORD and self.options.segments and isinstance(loss, torch.Tensor):
             mark_outside_uses(loss, self._recording.calls)
             # what any recorded micro-batch showed counts (accumulation: the capture sees only the last one)
             calls = self._recording.calls
@@ -195,7 +210,7 @@ class GraphManager:
                 (id(prev.layer), prev.index) for prev, call in zip(calls, calls[1:]) if breaks_between(prev, call))
             return
         graph_set = self._active
-        if self._mode != "replay" or graph_set is None or not graph_set.direct_pending or not self._replayed:
+        if self._mode is not StepMode.REPLAY or graph_set is None or not graph_set.direct_pending or not self._replayed:
             return
         pending = {pid: r for pid, r in graph_set.direct_pending.items() if id(r) in self._replayed}
         if not pending or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
@@ -228,20 +243,11 @@ class GraphManager:
         return forward
 
     def _dispatch(self, layer: _Layer, args: tuple, kwargs: dict):
-        graphable = (
-            self.backend is not None
-            and self._in_training_step
-            and layer.module.training
-            and torch.is_grad_enabled()
-        )
-        if not graphable:
-            self._refuse_pending_member(layer)
-            if (self.options.capture_eval and self.backend is not None and not layer.module.training
-                    and not torch.is_grad_enabled()):
-                return self._eval_call(layer, args, kwargs)
-            self.stats.eager_calls += 1
-            return layer.forward(*args, **kwargs)
-        if self._mode is None:
+        """One call of a graphed layer: outside a training step (or without autograd) it runs eagerly or replays
+        an eval graph; inside one, the step's :class:`StepMode`, fixed at its first graphed call, decides."""
+        if not self._graphable(layer):
+            return self._ungraphed_call(layer, args, kwargs)
+        if self._mode is StepMode.UNSTARTED:
             self._start_of_step(args, kwargs)
         if layer.failure is not None:
             self.stats.eager_calls += 1
@@ -249,47 +255,60 @@ class GraphManager:
         key = id(layer)
         index = self._calls.get(key, 0)
         self._calls[key] = index + 1
-        if self._mode == "record":
-            record = CallRecord(layer, index, CallSignature(args, kwargs), _detach_tree(args), _detach_tree(kwargs),
-                                autocast=autocast_state())
-            self._recording.calls.append(record)
-            if self._recording is self._warmup_record:
-                self.stats.eager_calls += 1
-            else:
-                self.stats.fallback_calls += 1
-            if self.options.segments:
-                if args and isinstance(args[0], torch.Tensor):
-                    record.input_version = torch_compat.version(args[0])
-                    record.input_hooks = tuple(torch_compat.grad_hooks(args[0]) or ())
-                record.rng_before = rng_state(self.device)
-            out = layer.forward(*args, **kwargs)
-            record.grad_output_layouts = watch_grad_layouts(out)  # before output_hooks: the hook is part of them
-            if self.options.segments:
-                record.rng_after = rng_state(self.device)
-            if self.options.segments and isinstance(out, torch.Tensor):
-                record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
-                record.output_version = torch_compat.version(out)
-                record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
-                record.output_hooks = tuple(torch_compat.grad_hooks(out) or ())
-            return out
-        if self._mode == "eager":
+        if self._mode is StepMode.RECORD:
+            return self._record_call(layer, index, args, kwargs)
+        if self._mode is StepMode.EAGER:
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
-        runner = self._active.runners.get((key, index))
+        return self._replay_call(layer, index, args, kwargs)
+
+    def _graphable(self, layer: _Layer) -> bool:
+        return (self.backend is not None and self._in_training_step and layer.module.training
+                and torch.is_grad_enabled())
+
+    def _ungraphed_call(self, layer: _Layer, args: tuple, kwargs: dict):
+        """A call in eval mode, without autograd or outside a training step."""
+        self._refuse_pending_member(layer)
+        if (self.options.capture_eval and self.backend is not None and not layer.module.training
+                and not torch.is_grad_enabled()):
+            return self._eval_call(layer, args, kwargs)
+        self.stats.eager_calls += 1
+        return layer.forward(*args, **kwargs)
+
+    def _record_call(self, layer: _Layer, index: int, args: tuple, kwargs: dict):
+        """:attr:`StepMode.RECORD`: run the call eagerly and keep what its capture needs."""
+        record = CallRecord(layer, index, CallSignature(args, kwargs), _detach_tree(args), _detach_tree(kwargs),
+                            autocast=autocast_state())
+        self._recording.calls.append(record)
+        if self._recording is self._warmup_record:
+            self.stats.eager_calls += 1
+        else:
+            self.stats.fallback_calls += 1
+        if self.options.segments:
+            if args and isinstance(args[0], torch.Tensor):
+                record.input_version = torch_compat.version(args[0])
+                record.input_hooks = tuple(torch_compat.grad_hooks(args[0]) or ())
+            record.rng_before = rng_state(self.device)
+        out = layer.forward(*args, **kwargs)
+        record.grad_output_layouts = watch_grad_layouts(out)  # before output_hooks: the hook is part of them
+        if self.options.segments:
+            record.rng_after = rng_state(self.device)
+        if self.options.segments and isinstance(out, torch.Tensor):
+            record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
+            record.output_version = torch_compat.version(out)
+            record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
+            record.output_hooks = tuple(torch_compat.grad_hooks(out) or ())
+        return out
+
+    def _replay_call(self, layer: _Layer, index: int, args: tuple, kwargs: dict):
+        """:attr:`StepMode.REPLAY`: replay the call's runner of the active graph set (a segment's first call
+        launches the segment, a following member takes its output), or follow ``shape_policy``."""
+        runner = self._active.runners.get((id(layer), index))
         follows = runner is not None and runner.segment is not None and not runner.segment_launcher
-        if follows and torch_compat.module_hooks(layer.module)["forward_pre_hooks"]:
-            raise SegmentError(
-                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) and got a forward pre-hook "
-                "after capture: the segment's graph ran this layer at the segment's first call, before the hook. "
-                "Register the hook before the first training step (the segment then ends before this layer), or "
-                "set graphs.segments=false for this model."
-            )
-        if follows and runner.segment.node_runners is not None:
-            return self._segment_follower(layer, runner, args, kwargs)
-        if follows and not runner.segment.launched_for(runner):
-            # the segment's first call ran eagerly in this pass (its arguments differed): so does the rest
-            self.stats.fallback_calls += 1
-            return layer.forward(*args, **kwargs)
+        if follows:
+            out = self._follow_segment(layer, runner, args, kwargs)
+            if out is not _NOT_HANDED:
+                return out
         if runner is None or not runner.signature.matches(args, kwargs) or not runner.settings_match():
             if follows:
                 raise SegmentError(
@@ -309,8 +328,27 @@ class GraphManager:
             self._replayed.add(id(runner))
         return runner.output_structure(flat)
 
+    def _follow_segment(self, layer: _Layer, runner, args: tuple, kwargs: dict):
+        """A following member of a segment: its handed output, an eager call when the segment's first call ran
+        eagerly in this pass, or :data:`_NOT_HANDED` (a segment replayed through per-member nodes whose launch
+        ran: the member replays its own node)."""
+        if torch_compat.module_hooks(layer.module)["forward_pre_hooks"]:
+            raise SegmentError(
+                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) and got a forward pre-hook "
+                "after capture: the segment's graph ran this layer at the segment's first call, before the hook. "
+                "Register the hook before the first training step (the segment then ends before this layer), or "
+                "set graphs.segments=false for this model."
+            )
+        if runner.segment.node_runners is not None:
+            return self._segment_follower(layer, runner, args, kwargs)
+        if not runner.segment.launched_for(runner):
+            # the segment's first call ran eagerly in this pass (its arguments differed): so does the rest
+            self.stats.fallback_calls += 1
+            return layer.forward(*args, **kwargs)
+        return _NOT_HANDED
+
     def _segment_launch(self, segment, tensors):
-        """The first call of a segment replayed through one autograd node (:func:`.segment_node.launch`)."""
+        """The first call of a segment replayed through one autograd node (:func:`.segments.node.launch`)."""
         out = segment_node.launch(segment, tensors, self.device)
         self.stats.forward_replays += 1
         if self._active.direct_pending:
@@ -318,7 +356,7 @@ class GraphManager:
         return out
 
     def _segment_follower(self, layer: _Layer, runner, args: tuple, kwargs: dict):
-        """A following call of such a segment: the output the launch computed (:func:`.segment_node.follow`),
+        """A following call of such a segment: the output the launch computed (:func:`.segments.node.follow`),
         or an eager call when the segment's first call ran eagerly in this pass."""
         out = segment_node.follow(runner, args, kwargs, self.device)
         if out is None:
@@ -332,7 +370,7 @@ class GraphManager:
     def _refuse_pending_member(self, layer: _Layer) -> None:
         """Raise if ``layer``'s next call is a following member of a segment that already ran it for this
         pass (called in eval mode or without grad in the middle of a training forward)."""
-        if self._mode != "replay" or self._active is None or not self._in_training_step:
+        if self._mode is not StepMode.REPLAY or self._active is None or not self._in_training_step:
             return
         runner = self._active.runners.get((id(layer), self._calls.get(id(layer), 0)))
         segment = runner.segment if runner is not None else None
@@ -360,35 +398,35 @@ class GraphManager:
     def _start_of_step(self, args: tuple, kwargs: dict) -> None:
         """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""
         if all(layer.failure is not None for layer in self.layers):
-            self._mode = "eager"  # nothing left to capture
+            self._mode = StepMode.EAGER  # nothing left to capture
             return
         if not self.capture_due or (not self.cache.sets and not self._warmup_record):
             self._warmup_record = StepRecord(CallSignature(args, kwargs))
-            self._mode, self._recording = "record", self._warmup_record
+            self._mode, self._recording = StepMode.RECORD, self._warmup_record
             return
         if self._warmup_record is not None:
             record, self._warmup_record = self._warmup_record, None
             self._capture(record)
-        self._mode, self._active = "replay", self.cache.find(args, kwargs)
+        self._mode, self._active = StepMode.REPLAY, self.cache.find(args, kwargs)
         if self._active is not None:
             return
         if self.options.shape_policy != "recapture":
             if self.cache.sets:  # mismatching calls follow the policy in _fallback
                 self._active = self.cache.sets[0]
             else:
-                self._mode = "eager"  # every layer failed to capture
+                self._mode = StepMode.EAGER  # every layer failed to capture
             return
         pending = self.cache.pop_pending(args, kwargs)
         if pending is not None:
             self._active = self._capture(pending)
             if self._active is None:
-                self._mode = "eager"
+                self._mode = StepMode.EAGER
         elif not self.cache.full:
             self._recording = StepRecord(CallSignature(args, kwargs))
             self.cache.pending.append(self._recording)
-            self._mode = "record"
+            self._mode = StepMode.RECORD
         else:
-            self._mode = "eager"
+            self._mode = StepMode.EAGER
             if not self._cache_full_warned:
                 self._cache_full_warned = True
                 warnings.warn(
@@ -416,7 +454,7 @@ class GraphManager:
             warnings.warn(
                 f"cg_lightning: layer {layer.name!r} runs eagerly for a call its graph was not captured for ("
                 + "; ".join(why) + "). Further such calls of this layer are not reported.",
-                stacklevel=3,
+                stacklevel=4,
             )
         self.stats.fallback_calls += 1
         return layer.forward(*args, **kwargs)

@@ -38,18 +38,22 @@ of each hidden parameter is then absorbed by that edge.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import operator
-from typing import Callable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Set
 
 import torch
 
 from .buffer_reuse import check_shared_inputs, copy_into_static
 from .autocast import autocast_as, autocast_off, autocast_state
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
-from .host_sync import HostSyncError, hooks_inside, refuse_host_sync
-from .discovery import leaf_tensors, owned_parameters, params_to_backprop, reachable_leaves
+from . import guards
+from .grad_layouts import static_grad_output_buffer
+from .guards import GraphCaptureError
+from .host_sync import refuse_host_sync
+from .discovery import owned_parameters, params_to_backprop, reachable_leaves
 from .main_grad_adds import MainGradAdds
+from .routing import Routing
 from .signature import CallSignature
 from .state import graph_capture, graph_warmup, recording_grad_ready
 from .. import protocol
@@ -59,54 +63,9 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getter for the 
 _TRAINING = operator.attrgetter("training")
 
 
-class GraphCaptureError(RuntimeError):
-    """A layer could not be captured; the message names the layer and the cause."""
-
-
 def _flat_outputs(out) -> tuple:
     leaves, spec = torch_compat.tree_flatten(out)
     return leaves, spec
-
-
-def watch_grad_layouts(out) -> List[Optional[Tuple[int, ...]]]:
-    """A list, one entry per flattened output of an eager call, that the call's backward fills with the
-    strides of the gradient each output receives (``None`` until then, or for outputs without one).
-
-    Eager backward computes a layer's backward on whatever layout the consumer of its output hands back (a
-    contiguous gradient for a transposed or channels-last output, say). A backward graph reads its gradient
-    outputs from buffers filled by copy; made with the outputs' own layout, a replay would compute on another
-    memory order than eager, and reductions would sum in another order (up to 1e-7 relative apart)."""
-    leaves, _ = _flat_outputs(out)
-    layouts: List[Optional[Tuple[int, ...]]] = [None] * len(leaves)
-    for i, t in enumerate(leaves):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(functools.partial(_note_layout, layouts, i))
-    return layouts
-
-
-def _note_layout(layouts: list, i: int, grad: torch.Tensor) -> None:
-    layouts[i] = tuple(grad.stride())
-
-
-def _dense_layout(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """Whether ``stride`` lays ``shape`` out densely without overlap (a permutation of a contiguous layout)."""
-    if len(shape) != len(stride):
-        return False
-    expected = 1
-    for size, st in sorted(((n, s) for n, s in zip(shape, stride) if n != 1), key=lambda d: d[1]):
-        if st != expected:
-            return False
-        expected *= size
-    return True
-
-
-def static_grad_output_buffer(output: torch.Tensor, layout: Optional[Sequence[int]]) -> torch.Tensor:
-    """A zeroed buffer for the gradient of ``output``: in ``layout`` (the strides of the gradient eager backward
-    handed this output, :func:`watch_grad_layouts`) when that is a dense layout of its shape, else in the
-    output's own layout (``zeros_like``)."""
-    if layout is not None and tuple(layout) != tuple(output.stride()) and _dense_layout(output.shape, layout):
-        return torch.empty_strided(output.shape, tuple(layout), dtype=output.dtype, device=output.device).zero_()
-    return torch.zeros_like(output)
 
 
 class LayerGraphRunner:
@@ -176,10 +135,8 @@ class LayerGraphRunner:
         self._visible: Set[int] = set()
         self._eager_visible: Set[int] = set()
         self._bypassed_regions: List[Set[int]] = []
-        self.params_to_backprop: List[torch.nn.Parameter] = []
-        self.hidden_params: List[torch.nn.Parameter] = []
-        #: the parameters the replay node takes as inputs (autograd edges to their AccumulateGrad nodes)
-        self.edge_params: List[torch.nn.Parameter] = []
+        #: where each parameter gradient goes (:mod:`.routing`), fixed by capture_forward
+        self.routing = Routing((), (), (), (), ())
         #: static inputs that alias the previous runner's static outputs (memory-saving mode, segments), that
         #: runner; whether the next runner aliases this one's outputs, and then their version counters when
         #: last returned (an in-place change before the next call is caught)
@@ -189,7 +146,6 @@ class LayerGraphRunner:
         self.returned_versions: List[int] = []
         self.replay_plan: List[Callable[[], None]] = []
         self._report_all: Callable[[], None] = protocol.report_each(())  # replay_plan + direct, in one call
-        self.clone_slots: List[bool] = []
         self.output_requires_grad: List[bool] = []
         self._out_spec = None
         self._single_output = False  # the layer returns one tensor (no pytree at replay)
@@ -209,7 +165,6 @@ class LayerGraphRunner:
         first = self.static_inputs[0] if self.static_inputs else next(iter(self.owned), None)
         self._device = first.device if first is not None else torch.device("cpu")
         self._foreign_params: List[torch.nn.Parameter] = []
-        self._main_grad_params: List[torch.nn.Parameter] = []
         self.recorded_occurrences: List[torch.nn.Parameter] = []
         self._frozen_at_capture: List[torch.nn.Parameter] = []
         self._unseen_if_frozen: List[torch.nn.Parameter] = []
@@ -236,7 +191,8 @@ class LayerGraphRunner:
         autocast settings and the submodules' train/eval modes."""
         out = self.signature.mismatches(args, kwargs)
         if not self.autocast_matches():
-            out.append(f"autocast: captured {_describe_autocast(self.autocast)}, got {_describe_autocast(autocast_state())}")
+            out.append(f"autocast: captured {guards.describe_autocast(self.autocast)}, "
+                       f"got {guards.describe_autocast(autocast_state())}")
         if not self.modes_match():
             changed = [name or "(the layer)" for (name, m), was in zip(self.module.named_modules(), self._modes)
                        if m.training != was]
@@ -270,20 +226,14 @@ class LayerGraphRunner:
             GraphCaptureError: naming the layer, if a pass fails or the layer runs under saved-tensor
                 hooks (an enclosing non-reentrant ``torch.utils.checkpoint``).
         """
-        self._refuse_hooks()
-        if torch_compat.saved_tensor_hooks_active():
-            raise GraphCaptureError(
-                f"could not capture layer {self.name!r}: it runs under saved-tensor hooks, e.g. inside a "
-                "non-reentrant torch.utils.checkpoint around the layer, whose recomputation would replay the "
-                "graph a second time. Checkpoint inside the layer instead (cg_lightning.checkpoint or "
-                "torch.utils.checkpoint within its forward), or leave the layer out of graphs.layers."
-            )
+        guards.refuse_capture_only_hooks(self.name, self.module)
+        guards.refuse_saved_tensor_hooks(self.name)
         try:
             self._warmup_passes()
         except GraphCaptureError:
             raise
         except Exception as exc:
-            raise GraphCaptureError(_capture_failure(self.name, "warmup", exc)) from exc
+            raise GraphCaptureError(guards.capture_failure(self.name, "warmup", exc)) from exc
 
     def _warmup_passes(self) -> None:
         inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in self.static_inputs]
@@ -307,18 +257,6 @@ class LayerGraphRunner:
                         )
                 del outs, diff, inputs
 
-    def _refuse_hooks(self) -> None:
-        """Hooks that would run at warmup and capture only (``host_sync.hooks_inside``) are an error naming them."""
-        hooks = hooks_inside(self.module)
-        if hooks:
-            raise GraphCaptureError(
-                f"could not capture layer {self.name!r}: {', '.join(hooks)} would run once at capture and never "
-                "at replay. Remove those hooks, register module hooks on the graphed layer itself, act on "
-                "param.grad after the backward instead of in a parameter's gradient hook (Lightning's "
-                "on_before_optimizer_step or on_after_backward, or after accelerator.backward), or leave the layer "
-                "out of graphs.layers."
-            )
-
     def capture_forward(self) -> None:
         """Capture the forward into the shared pool; fixes ``params_to_backprop``."""
 
@@ -332,14 +270,14 @@ class LayerGraphRunner:
             self._out_spec = spec
             return list(outs)
 
-        self._refuse_hooks()
+        guards.refuse_capture_only_hooks(self.name, self.module)
         try:
             with recording_bypassed_regions() as regions, refuse_host_sync():
                 self._fwd = self.backend.capture(body, self.pool)
         except GraphCaptureError:
             raise
         except Exception as exc:  # host syncs, CPU tensors, data-dependent control flow ...
-            raise GraphCaptureError(_capture_failure(self.name, "forward", exc)) from exc
+            raise GraphCaptureError(guards.capture_failure(self.name, "forward", exc)) from exc
         self._bypassed_regions = regions
         marker = object()
         single = len(self._autograd_outputs) == 1
@@ -347,28 +285,14 @@ class LayerGraphRunner:
         outs = self._autograd_outputs
         self.output_requires_grad = [o.requires_grad for o in outs]
         self._visible = reachable_leaves(outs)
-        self._refuse_foreign_leaves(outs)
+        guards.refuse_foreign_leaves(self.name, outs, self.owned, self.static_inputs, self._anchor)
         self._frozen_at_capture = [p for p in self.owned if not p.requires_grad]
-        self.params_to_backprop = params_to_backprop(self.owned, self._visible, self._warmup_reachable)
-        self.hidden_params = [p for p in self.params_to_backprop if id(p) not in self._visible]
+        self.routing = Routing.at_capture(
+            params_to_backprop(self.owned, self._visible, self._warmup_reachable), self._visible,
+            self._eager_visible, self.accumulate_into_main_grad, self.clone_param_grads_on_return)
         #: parameters whose freezing after capture only the replay can notice (hidden ones; direct ones later)
-        self._unseen_if_frozen = list(self.hidden_params)
+        self._unseen_if_frozen = list(self.routing.hidden)
         self._anchors = [self._anchor] if id(self._anchor) in self._visible else []
-        self._main_grad_params = [
-            p for p in self.params_to_backprop if self.accumulate_into_main_grad and protocol.has_main_grad(p)
-        ]
-        into_main_grad = set(map(id, self._main_grad_params))
-        self.edge_params = [
-            p for p in self.params_to_backprop if id(p) not in into_main_grad or id(p) in self._eager_visible
-        ]
-        self.clone_slots = [
-            self.clone_param_grads_on_return and not protocol.skips_backward_post_hook(p)
-            for p in self.edge_params
-        ]
-        self.apply_edges = list(self.edge_params)  # the parameters the replay node takes as inputs
-        # (edge slot, clone it) for every slot still an input of the node: what replay_backward returns
-        self._returned_edges = list(enumerate(self.clone_slots))
-        self.direct_params: List[torch.nn.Parameter] = []
         self._direct_notifiers: List[Callable[[], None]] = []
         if not self.defer_static_grad_outputs:
             self.make_static_grad_outputs()
@@ -377,7 +301,37 @@ class LayerGraphRunner:
     def adds_into_main_grad(self) -> bool:
         """The captured backward adds some parameter gradient into ``main_grad`` (checked at every backward
         replay, so no list copy)."""
-        return bool(self._main_grad_params)
+        return bool(self.routing.into_main_grad)
+
+    @property
+    def params_to_backprop(self) -> List[torch.nn.Parameter]:
+        """The parameters the captured backward differentiates."""
+        return list(self.routing.backprop)
+
+    @property
+    def hidden_params(self) -> List[torch.nn.Parameter]:
+        """Those of :attr:`params_to_backprop` reached only inside recomputation regions."""
+        return list(self.routing.hidden)
+
+    @property
+    def edge_params(self) -> List[torch.nn.Parameter]:
+        """The parameters whose gradient slot the backward graph has (returned, or notification only)."""
+        return list(self.routing.edges)
+
+    @property
+    def clone_slots(self) -> List[bool]:
+        """Per edge parameter, whether its returned gradient is cloned."""
+        return list(self.routing.clone)
+
+    @property
+    def apply_edges(self) -> tuple:
+        """The parameters the replay node takes as inputs (autograd edges to their ``AccumulateGrad`` nodes)."""
+        return self.routing.apply_edges
+
+    @property
+    def direct_params(self) -> List[torch.nn.Parameter]:
+        """The parameters the replay reports ready itself (:mod:`.direct_ready`)."""
+        return list(self.routing.direct)
 
     def sum_through_autograd(self, param_ids: Set[int]) -> None:
         """The parameters of ``param_ids`` (eagerly visible ones, reached by other graphed calls of the same
@@ -391,17 +345,17 @@ class LayerGraphRunner:
         drop = {pid for pid in param_ids if pid in self._eager_visible and pid not in nested}
         if not drop:
             return
-        self._main_grad_params = [p for p in self._main_grad_params if id(p) not in drop]
+        self.routing = self.routing.summed_through_autograd(drop)
 
     def visible_main_grad_params(self) -> List[torch.nn.Parameter]:
         """Parameters the captured backward adds into ``main_grad`` and that eager autograd reaches from this
         call's outputs (the outer path, not only a recomputation region)."""
-        return [p for p in self._main_grad_params if id(p) in self._eager_visible]
+        return [p for p in self.routing.into_main_grad if id(p) in self._eager_visible]
 
     @property
     def main_grad_params(self) -> List[torch.nn.Parameter]:
         """Parameters whose gradient the captured backward adds into ``main_grad`` itself."""
-        return list(self._main_grad_params)
+        return list(self.routing.into_main_grad)
 
     def report_directly(self, params: Sequence[torch.nn.Parameter]) -> None:
         """From the next replay on, ``params`` (edge parameters of this runner whose gradient goes into
@@ -411,22 +365,71 @@ class LayerGraphRunner:
         Raises:
             ValueError: for a parameter that is not such an edge parameter or has no grad-ready reporter.
         """
-        chosen = set(map(id, params))
-        allowed = set(map(id, self.edge_params)) & set(map(id, self._main_grad_params))
-        if not chosen <= allowed:
-            raise ValueError(f"graphed {self.name!r}: only edge parameters accumulated into main_grad can be "
-                             "reported by the replay")
-        direct = [p for p in self.edge_params if id(p) in chosen]
+        try:
+            routing = self.routing.reporting_directly(params)
+        except ValueError as exc:
+            raise ValueError(f"graphed {self.name!r}: {exc}") from exc
+        direct = list(routing.direct)
         notifiers = [protocol.notifier_of(self.grad_ready, p) for p in direct]
         if any(n is None for n in notifiers):
             raise ValueError(f"graphed {self.name!r}: a parameter without a grad-ready reporter (no DDP engine)")
-        self._returned_edges = [(k, clone) for k, (p, clone) in enumerate(zip(self.edge_params, self.clone_slots))
-                                if id(p) not in chosen]
-        self.apply_edges = [p for p in self.edge_params if id(p) not in chosen]
-        self.direct_params = direct
+        self.routing = routing
         self._unseen_if_frozen = self.hidden_params + direct  # disjoint: direct ones are eagerly visible
         self._direct_notifiers = notifiers
         self._report_all = protocol.batch_notifiers(self.grad_ready, self.replay_plan + notifiers)
+
+    # ----------------------------------------------------------------- buffers shared with other runners
+    @property
+    def forward_outputs(self) -> list:
+        """The forward graph's static outputs."""
+        return self._fwd.outputs
+
+    @property
+    def backward_outputs(self) -> Optional[list]:
+        """The backward graph's static outputs (input gradients, then one slot per edge parameter), or ``None``
+        when no output needs a gradient."""
+        return None if self._bwd is None else self._bwd.outputs
+
+    def share_inputs(self, prev: "LayerGraphRunner", shared: dict) -> None:
+        """Make static input ``j`` the tensor ``shared[j]`` (a view of ``prev``'s static output ``j``), for every
+        ``j`` in ``shared`` (:mod:`.buffer_reuse`, segments)."""
+        for j, t in shared.items():
+            self.static_inputs[j] = t
+        self.shared_inputs = list(shared)
+        self.shared_from = prev
+        prev.outputs_shared = bool(shared)  # prev then records its outputs' version counters at every replay
+
+    def share_grad_output(self, k: int, buffer: torch.Tensor) -> None:
+        """Read output ``k``'s gradient from ``buffer`` (the next runner's gradient-input buffer)."""
+        self.static_grad_outputs[k] = buffer
+
+    def replace_param_grad_output(self, k: int, tensor: torch.Tensor) -> None:
+        """Make the backward graph's output slot of edge parameter ``k`` ``tensor`` (a non-owning alias)."""
+        outputs = self._bwd.outputs
+        outputs[len(outputs) - len(self.routing.edges) + k] = tensor
+
+    def set_main_grad_adds(self, adds: MainGradAdds) -> None:
+        """Where the backward body's ``main_grad`` additions go (a segment's members share one)."""
+        self.main_grad_adds = adds
+
+    @contextlib.contextmanager
+    def deferring_static_grad_outputs(self) -> Iterator[None]:
+        """Within the block, ``capture_forward`` leaves the gradient-output buffers to a later
+        :meth:`make_static_grad_outputs` (a segment's forward capture region must not allocate them)."""
+        self.defer_static_grad_outputs = True
+        try:
+            yield
+        finally:
+            self.defer_static_grad_outputs = False
+
+    @contextlib.contextmanager
+    def using_backend(self, backend) -> Iterator[None]:
+        """Within the block, capture through ``backend`` (a segment's member backend)."""
+        saved, self.backend = self.backend, backend
+        try:
+            yield
+        finally:
+            self.backend = saved
 
     def make_static_grad_outputs(self) -> None:
         """Allocate the buffers the backward graph reads its output gradients from. Outside any capture
@@ -438,59 +441,6 @@ class LayerGraphRunner:
             for k, (o, g) in enumerate(zip(self._fwd.outputs, self.output_requires_grad))
         ]
 
-    def _refuse_foreign_leaves(self, outs) -> None:
-        """A leaf that requires grad, is reachable from the outputs and is neither an input nor owned by the
-        layer (a parameter of another module used directly, or closed over by a function) would get no
-        gradient from the graph: refuse it by name rather than lose it."""
-        known = set(map(id, self.owned)) | set(map(id, self.static_inputs))
-        if self._anchor is not None:
-            known.add(id(self._anchor))
-        foreign = [t for t in leaf_tensors(outs) if t.requires_grad and id(t) not in known]
-        if foreign:
-            what = ", ".join(f"{type(t).__name__}{list(t.shape)}" for t in foreign[:5])
-            raise GraphCaptureError(
-                f"could not capture layer {self.name!r}: its outputs depend on {len(foreign)} tensor(s) that "
-                f"require grad but are neither its inputs nor its own parameters ({what}); the graph would "
-                "return no gradient for them. Register the module that holds them as a submodule of the "
-                "layer, pass them as arguments, or leave the layer out of graphs.layers."
-            )
-
-    def _refuse_frozen_unseen(self) -> None:
-        """A parameter frozen after capture whose freezing nothing else would notice: one the replay reports
-        itself (graphs.direct_grad_ready: no autograd edge is left to go silent), or one used only inside a
-        recomputation region (no edge; its recorded grad-ready notifications are replayed). The graph keeps
-        computing its gradient and adding it into ``main_grad``, so the optimizer would still move it; the
-        eager backend would fail inside autograd instead ("One of the differentiated Tensors does not require
-        grad"), naming nothing."""
-        direct = [p for p in self.direct_params if not p.requires_grad]
-        hidden = [p for p in self.hidden_params if not p.requires_grad]
-        named = {id(q): n for n, q in self.module.named_parameters()}
-        parts = [f"{named.get(id(p), '?')!r} (reported ready by the layer's replay itself, graphs.direct_grad_ready)"
-                 for p in direct]
-        parts += [f"{named.get(id(p), '?')!r} (used only inside its activation recomputation)" for p in hidden]
-        raise GraphCaptureError(
-            f"layer {self.name!r}: parameter(s) {', '.join(parts)} were frozen (requires_grad=False) after the "
-            "layer's graphs were captured; its graph would keep adding their gradients into main_grad. Freeze "
-            "parameters before training starts (or before the capture step, graphs.warmup_steps)"
-            + (", or set graphs.direct_grad_ready=false." if direct else ".")
-        )
-
-    def _check_still_frozen(self) -> None:
-        """A parameter frozen at capture and trainable now would silently get no gradient from the graphs.
-
-        Only those are checked (usually none, so replays pay nothing): the opposite change, a parameter
-        frozen after capture, stops reporting ready and the DDP engine names it as a missing gradient.
-        """
-        for p in self._frozen_at_capture:
-            if p.requires_grad:
-                name = next((n for n, q in self.module.named_parameters() if q is p), "?")
-                raise GraphCaptureError(
-                    f"layer {self.name!r}: parameter {name!r} changed requires_grad from False to True after the "
-                    "layer's graphs were captured; they would keep computing gradients for the old set. Freeze "
-                    "or unfreeze parameters before training starts (or before the capture step, "
-                    "graphs.warmup_steps), or leave the layer out of graphs.layers."
-                )
-
     def _backward_body(self) -> List[Optional[torch.Tensor]]:
         with graph_capture(), autocast_off():  # backward runs outside autocast (capture.autocast_off)
             return self._backward_body_inner()
@@ -498,7 +448,8 @@ class LayerGraphRunner:
     def _backward_body_inner(self) -> List[Optional[torch.Tensor]]:
         outs = self._autograd_outputs
         self._autograd_outputs = None
-        params = self.params_to_backprop
+        routing = self.routing
+        params = routing.backprop
         stashed = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -517,8 +468,8 @@ class LayerGraphRunner:
         n_in = len(targets) - len(params)
         input_grads, wgrads = grads[:n_in], grads[n_in:]
         param_slots: List[Optional[torch.Tensor]] = []
-        into_main_grad = set(map(id, self._main_grad_params))
-        edges = set(map(id, self.edge_params))
+        into_main_grad = set(map(id, routing.into_main_grad))
+        edges = set(map(id, routing.edges))
         # (main_grad, gradient) pairs, added by multi-tensor kernels (main_grad_adds): the same elementwise
         # additions as one main_grad.add_ per parameter, in order (bit-identical), in a few kernels instead of
         # one per parameter (at the tiny benchmark size: 149 add kernels, about 0.3 ms per step)
@@ -550,7 +501,7 @@ class LayerGraphRunner:
 
     def _foreign_in(self, occurrences) -> List[torch.nn.Parameter]:
         """Parameters a nested recomputation finalized that this layer does not own, once each."""
-        mine = set(map(id, self.params_to_backprop))
+        mine = set(map(id, self.routing.backprop))
         seen: Set[int] = set()
         out = []
         for p, _ in occurrences:
@@ -577,7 +528,7 @@ class LayerGraphRunner:
         except GraphCaptureError:
             raise
         except Exception as exc:
-            raise GraphCaptureError(_capture_failure(self.name, "backward", exc)) from exc
+            raise GraphCaptureError(guards.capture_failure(self.name, "backward", exc)) from exc
         finally:
             self._recording = None
         self._foreign_params = self._foreign_in(occurrences)
@@ -588,14 +539,14 @@ class LayerGraphRunner:
     def _build_replay_plan(self, occurrences) -> List[Callable[[], None]]:
         """The notifications to fire after every backward replay (see the module docstring)."""
         events = list(occurrences)
-        by_id = {id(p): p for p in self.params_to_backprop}
+        by_id = {id(p): p for p in self.routing.backprop}
         for region in reversed(self._bypassed_regions):  # nested backwards run in reverse region order
             for pid in region:
                 param = by_id.get(pid)
                 notify = protocol.notifier_of(self.grad_ready, param) if param is not None else None
                 if notify is not None:
                     events.append((param, notify))
-        edges = set(map(id, self.edge_params))
+        edges = set(map(id, self.routing.edges))
         absorbed: Set[int] = set()
         plan = []
         for param, notify in events:
@@ -615,9 +566,9 @@ class LayerGraphRunner:
         if segment is not None and not self.segment_launcher:
             segment.consume(self)
         if self._frozen_at_capture:
-            self._check_still_frozen()
+            guards.check_still_frozen(self.name, self.module, self._frozen_at_capture)
         if self._unseen_if_frozen and not all(map(_REQUIRES_GRAD, self._unseen_if_frozen)):
-            self._refuse_frozen_unseen()
+            guards.refuse_frozen_unseen(self.name, self.module, self.direct_params, self.hidden_params)
         self.forward_generation += 1
         copy_into_static(self.static_inputs, inputs)
         self._fwd.replay()
@@ -661,12 +612,13 @@ class LayerGraphRunner:
                         static.copy_(g)
         self._bwd.replay()
         grads = self._bwd.outputs
-        n_in = len(grads) - len(self.edge_params)
+        routing = self.routing
+        n_in = len(grads) - len(routing.edges)
         it = iter(grads[:n_in])
         input_grads = [next(it) if t.requires_grad else None for t in self.static_inputs]
         param_grads = [
             None if g is None else (g.clone() if clone else g)
-            for g, clone in ((grads[n_in + k], clone) for k, clone in self._returned_edges)
+            for g, clone in ((grads[n_in + k], clone) for k, clone in routing.returned)
         ]
         # the recorded notifications, then the directly reported parameters (where their AccumulateGrad nodes
         # would have reported), in one call
@@ -678,32 +630,3 @@ class LayerGraphRunner:
             return flat[0]
         return torch_compat.tree_unflatten(list(flat), self._out_spec)
 
-
-def _describe_autocast(state: tuple) -> str:
-    on = [f"{dt} {str(dtype).replace('torch.', '')}" for dt, enabled, dtype in state if enabled]
-    return "enabled for " + ", ".join(on) if on else "disabled"
-
-
-def _capture_failure(name: str, what: str, exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, HostSyncError):
-        return (
-            f"could not capture the {what} of layer {name!r}: {text}. A graph replays device work only; the "
-            "host would never see that value again. Compute it outside the layer (or keep it on the device), "
-            "or leave the layer out of graphs.layers (graphs.on_capture_error='eager' runs it eagerly)."
-        )
-    hints = []
-    low = text.lower()
-    if "capture" in low and ("sync" in low or "not permitted" in low or "operation not permitted" in low):
-        hints.append("a host synchronization (.item(), printing a tensor, a CPU copy, data-dependent Python "
-                     "control flow) inside the layer")
-    if "leaf variable that requires grad is being used in an in-place operation" in low:
-        hints.append("the layer modifies one of its inputs in place (e.g. ReLU(inplace=True) applied to the "
-                     "input); a graphed layer receives its inputs as static leaf tensors, so make that operation "
-                     "out of place")
-    if not hints:
-        hints.append("a host synchronization, data-dependent control flow, a module hook or a CPU tensor")
-    return (
-        f"could not capture the {what} of layer {name!r}: {type(exc).__name__}: {text}. Likely cause: "
-        f"{hints[0]}. Remove it from the layer's forward, or leave the layer out of graphs.layers."
-    )

@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from .capture import capture_in_order
 from .graph_sets import CallRecord
-from .runner import GraphCaptureError, LayerGraphRunner
+from .guards import GraphCaptureError
+from .runner import LayerGraphRunner
 
 
 def capture_calls(

@@ -10,7 +10,7 @@ after checking that it was called with exactly the previous member's output, unc
 
 The backward receives one gradient per member output. Only the last member's may be set; a gradient for an
 intermediate output means it was used outside the chain (an auxiliary loss on a hidden state) after capture,
-which the segment's backward graph never saw: :class:`~.segments.SegmentError` naming the layer, as before.
+which the segment's backward graph never saw: :class:`~.errors.SegmentError` naming the layer, as before.
 A gradient hook, or ``retain_grad()``, on an intermediate output would never run (no gradient is computed
 for it outside the graph), so one found there at the backward is refused the same way. Then the members'
 backward replays run in reverse order, exactly as their per-member nodes ran (same notifications, same
@@ -25,10 +25,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..torch_compat import VERSION as _VERSION, grad_hooks
-from .replay import check_second_backward, check_leaves_accumulate
-from .buffer_reuse import check_shared_inputs
-from .segments import SegmentError, rng_moved, rng_state
+from ...torch_compat import VERSION as _VERSION, grad_hooks
+from ..buffer_reuse import check_shared_inputs
+from ..replay import check_leaves_accumulate, check_second_backward
+from .chains import rng_moved, rng_state
+from .errors import SegmentError
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -164,7 +165,7 @@ def follow(runner, args: tuple, kwargs: dict, device: torch.device):
 
 class SegmentFunction(torch.autograd.Function):
     """``apply(segment, *first_member_inputs, *edges of every member, last member first)`` -> every member's
-    flat outputs, in member order. ``segment``: the forward :class:`~.segments.SegmentState` with ``node_runners`` set."""
+    flat outputs, in member order. ``segment``: the forward :class:`~.graphs.SegmentState` with ``node_runners`` set."""
 
     @staticmethod
     def forward(ctx, segment, *tensors):
