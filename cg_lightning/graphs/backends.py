@@ -15,6 +15,7 @@ the static tensors of that run; ``graph.replay()`` recomputes them in place.
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Callable, Iterator, List, Optional
 
 import torch
@@ -120,7 +121,7 @@ class CudaBackend:
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+        with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream):
             yield graph
         current.wait_stream(self.stream)
 
@@ -128,6 +129,24 @@ class CudaBackend:
         with self.capture_region(pool) as graph:
             outs = body()
         return _CudaGraph(graph, _detached(outs))
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector does not run inside the block.
+
+    A collection inside a capture runs the destructors of whatever unrelated objects happen to be dead then
+    (CUDA graphs, memory pools and tensors of earlier work); a CUDA call among them that is not permitted while
+    a stream captures makes the capture fail later, at whichever kernel comes next, with "operation failed due
+    to a previous error during capture". Dead objects are collected after the block instead.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def make_backend(name: str, device: torch.device):
