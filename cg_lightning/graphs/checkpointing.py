@@ -219,7 +219,7 @@ def checkpoint(fn: Callable, *args: Any, **kwargs: Any):
 
 #: While a forward is captured, one entry per bypassed reentrant region: the ``id`` of each leaf tensor
 #: (parameter) used inside it. Eager execution would finalize each of them once in the region's own
-#: nested backward; the graph runner replays those grad-ready notifications (see ``runner.py``).
+#: nested backward; the graph runner replays those grad-ready notifications (see ``replay_plan.py``).
 _region_log: List[List[set]] = []
 
 

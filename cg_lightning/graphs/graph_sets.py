@@ -120,3 +120,31 @@ class GraphSetCache:
     def clear(self) -> None:
         self.sets.clear()
         self.pending.clear()
+
+
+@dataclass
+class GraphStats:
+    """Counters for monitoring: graphs captured, replays, eager fallbacks, capture time (seconds).
+
+    ``captured_runners`` counts runners over all graph sets; ``graph_sets`` the sets, ``captures`` the
+    capture events; ``pool_bytes`` the device memory allocated by captures (CUDA; 0 on CPU);
+    ``failed_layers`` the layers that run eagerly because their capture failed; ``segments`` the chains
+    captured as one forward and one backward graph (``graphs.segments``); ``eval_graphs`` and
+    ``eval_replays`` the forward-only graphs of eval-mode calls and their replays (``graphs.capture_eval``;
+    their pool is counted in ``pool_bytes``, their warmup calls in ``eager_calls``).
+    """
+
+    backend: str = ""
+    captured_runners: int = 0
+    forward_replays: int = 0
+    eager_calls: int = 0
+    fallback_calls: int = 0
+    capture_seconds: float = 0.0
+    graph_sets: int = 0
+    captures: int = 0
+    pool_bytes: int = 0
+    failed_layers: List[str] = field(default_factory=list)
+    segments: int = 0  # chains of two or more calls captured as one forward and one backward graph
+    eval_graphs: int = 0  # forward-only graphs of eval-mode calls (graphs.capture_eval)
+    direct_ready_params: int = 0  # parameters the replays report ready themselves (graphs.direct_grad_ready)
+    eval_replays: int = 0

@@ -9,7 +9,8 @@ Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of ever
   :class:`LayerGraphRunner`: all are warmed up, their forwards captured in call order, then their
   backwards in reverse order, into one memory pool, so replays in the same order are safe. ``main_grad``,
   module buffers and RNG states are restored afterwards: capture changes no training state. The runners
-  form a *graph set*, keyed by the signature of the step's first graphed call (:mod:`.graph_sets`).
+  form a *graph set*, keyed by the signature of the step's first graphed call (:mod:`.graph_sets`); building
+  it is :class:`~.set_capture.SetCapture`'s.
 * Each later step picks its set at its first graphed call; the i-th call of a layer replays runner
   (layer, i) of that set. A call whose arguments differ from its runner's follows ``shape_policy``.
   Under ``"recapture"`` a step whose first call matches no set runs eagerly and is recorded; the next
@@ -24,57 +25,27 @@ autograd replay forward-only graphs kept apart from the training graphs (:mod:`.
 from __future__ import annotations
 
 import enum
-import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
 
-from .. import protocol, torch_compat
+from .. import torch_compat
 from . import direct_ready
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
-from .graph_sets import CallRecord, GraphSet, GraphSetCache, StepRecord, describe
+from .graph_sets import CallRecord, GraphSet, GraphSetCache, GraphStats, StepRecord, describe
 from .options import GraphOptions
 from .replay import ReplayFunction
-from .grad_layouts import watch_grad_layouts
 from .runner import LayerGraphRunner
 from .selection import select_layers
 from .autocast import autocast_state
-from .segments import SegmentError, breaks_between, draws, find_segments, mark_outside_uses, rng_state
+from .segments import SegmentError, breaks_between, mark_outside_uses
 from .segments import node as segment_node
-from .set_capture import capture_calls
+from .set_capture import SetCapture, run_recorded
 from .signature import CallSignature, GraphSignatureError
-
-
-@dataclass
-class GraphStats:
-    """Counters for monitoring: graphs captured, replays, eager fallbacks, capture time (seconds).
-
-    ``captured_runners`` counts runners over all graph sets; ``graph_sets`` the sets, ``captures`` the
-    capture events; ``pool_bytes`` the device memory allocated by captures (CUDA; 0 on CPU);
-    ``failed_layers`` the layers that run eagerly because their capture failed; ``segments`` the chains
-    captured as one forward and one backward graph (``graphs.segments``); ``eval_graphs`` and
-    ``eval_replays`` the forward-only graphs of eval-mode calls and their replays (``graphs.capture_eval``;
-    their pool is counted in ``pool_bytes``, their warmup calls in ``eager_calls``).
-    """
-
-    backend: str = ""
-    captured_runners: int = 0
-    forward_replays: int = 0
-    eager_calls: int = 0
-    fallback_calls: int = 0
-    capture_seconds: float = 0.0
-    graph_sets: int = 0
-    captures: int = 0
-    pool_bytes: int = 0
-    failed_layers: List[str] = field(default_factory=list)
-    segments: int = 0  # chains of two or more calls captured as one forward and one backward graph
-    eval_graphs: int = 0  # forward-only graphs of eval-mode calls (graphs.capture_eval)
-    direct_ready_params: int = 0  # parameters the replays report ready themselves (graphs.direct_grad_ready)
-    eval_replays: int = 0
 
 
 class StepMode(enum.Enum):
@@ -127,7 +98,6 @@ class GraphManager:
         self.device = device
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self.backend = make_backend(options.backend, device) if options.enabled else None
-        self.pool = None
         self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
         self.layers: List[_Layer] = []
         for name, module in select_layers(model, options.layers):
@@ -135,6 +105,9 @@ class GraphManager:
             module.forward = self._make_dispatch(layer)
             self.layers.append(layer)
         self.cache = GraphSetCache(options.max_graph_sets)
+        #: the capture half: runners, their shared pool, failed layers (:mod:`.set_capture`)
+        self._sets = SetCapture(model, options, self.backend, device, self.cache, self.stats,
+                                accumulate_into_main_grad)
         self.eval_graphs: Optional[EvalGraphs] = None  # built at the first eval call with capture_eval on
         self._warmup_record: Optional[StepRecord] = None  # the last warmup step's calls
         self._start_step: Optional[int] = None
@@ -284,21 +257,7 @@ class GraphManager:
             self.stats.eager_calls += 1
         else:
             self.stats.fallback_calls += 1
-        if self.options.segments:
-            if args and isinstance(args[0], torch.Tensor):
-                record.input_version = torch_compat.version(args[0])
-                record.input_hooks = tuple(torch_compat.grad_hooks(args[0]) or ())
-            record.rng_before = rng_state(self.device)
-        out = layer.forward(*args, **kwargs)
-        record.grad_output_layouts = watch_grad_layouts(out)  # before output_hooks: the hook is part of them
-        if self.options.segments:
-            record.rng_after = rng_state(self.device)
-        if self.options.segments and isinstance(out, torch.Tensor):
-            record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
-            record.output_version = torch_compat.version(out)
-            record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
-            record.output_hooks = tuple(torch_compat.grad_hooks(out) or ())
-        return out
+        return run_recorded(record, layer.forward, args, kwargs, self.options.segments, self.device)
 
     def _replay_call(self, layer: _Layer, index: int, args: tuple, kwargs: dict):
         """:attr:`StepMode.REPLAY`: replay the call's runner of the active graph set (a segment's first call
@@ -406,7 +365,7 @@ class GraphManager:
             return
         if self._warmup_record is not None:
             record, self._warmup_record = self._warmup_record, None
-            self._capture(record)
+            self._sets.capture(record, self.grad_ready, self._segment_ends)
         self._mode, self._active = StepMode.REPLAY, self.cache.find(args, kwargs)
         if self._active is not None:
             return
@@ -418,7 +377,7 @@ class GraphManager:
             return
         pending = self.cache.pop_pending(args, kwargs)
         if pending is not None:
-            self._active = self._capture(pending)
+            self._active = self._sets.capture(pending, self.grad_ready, self._segment_ends)
             if self._active is None:
                 self._mode = StepMode.EAGER
         elif not self.cache.full:
@@ -464,86 +423,7 @@ class GraphManager:
         """Capture the calls recorded in the last warmup step now (normally done at the next step)."""
         if self._warmup_record is not None:
             record, self._warmup_record = self._warmup_record, None
-            self._capture(record)
-
-    def _capture(self, record: StepRecord) -> Optional[GraphSet]:
-        """Capture every call of ``record`` as one graph set (:mod:`.set_capture`); ``None`` if none was."""
-        start = time.perf_counter()
-        allocated = self._allocated()
-        if self.pool is None:
-            self.pool = self.backend.new_pool()
-        calls = [c for c in record.calls if c.layer.failure is None]
-        self._require_grad_ready(calls)
-        for call in calls:
-            call.ends_segment = (id(call.layer), call.index) in self._segment_ends
-        calls, runners = capture_calls(calls, self._runner, self.model, self.options.on_capture_error,
-                                       self._mark_failed,
-                                       segments_of=find_segments if self.options.segments else None)
-        for call, runner in zip(calls, runners):
-            segment = runner.segment
-            if segment is not None and segment.node_runners is not None and draws(call):
-                segment.members_draw = True  # draws between its calls must then be refused (segment_node.follow)
-        for call in record.calls:
-            call.output = call.output_node = call.rng_before = call.rng_after = None
-        self.stats.capture_seconds += time.perf_counter() - start
-        self.stats.pool_bytes += max(0, self._allocated() - allocated)
-        if not runners:
-            return None
-        graph_set = GraphSet(record.lead, {(id(c.layer), c.index): r for c, r in zip(calls, runners)})
-        if self.options.direct_grad_ready and self.accumulate_into_main_grad:
-            graph_set.direct_pending = direct_ready.candidates(runners)
-        self.cache.sets.append(graph_set)
-        self.stats.captures += 1
-        self.stats.graph_sets = len(self.cache.sets)
-        self.stats.captured_runners = len(self.cache.all_runners())
-        self.stats.segments = len({id(r.segment) for r in self.cache.all_runners() if r.segment is not None})
-        return graph_set
-
-    def _runner(self, call: CallRecord) -> LayerGraphRunner:
-        return LayerGraphRunner(
-            call.layer.name,
-            call.layer.module,
-            call.layer.forward,
-            call.signature,
-            call.args,
-            call.kwargs,
-            self.backend,
-            self.pool,
-            accumulate_into_main_grad=self.accumulate_into_main_grad,
-            clone_param_grads_on_return=False,
-            num_warmup_iters=self.options.num_warmup_iters,
-            autocast=call.autocast,
-            grad_output_layouts=call.grad_output_layouts,
-            grad_ready=self.grad_ready,
-        )
-
-    def _require_grad_ready(self, calls) -> None:
-        """Raise if graphs would add into ``main_grad`` but no engine's grad-ready reporter was bound: their
-        replays could not report the parameters they finalize, and the engine would miss them."""
-        if self.grad_ready is not None or not self.accumulate_into_main_grad:
-            return
-        if any(protocol.has_main_grad(p) for c in calls for p in c.layer.module.parameters()):
-            raise RuntimeError(
-                "GraphManager: the graphed layers' parameters have main_grad (a DataParallelEngine owns them) but "
-                "no grad-ready reporter was bound; call manager.bind_grad_ready(engine.grad_ready) right after "
-                "building the engine, before the first capture."
-            )
-
-    def _mark_failed(self, layer: _Layer, exc: BaseException) -> None:
-        layer.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        self.cache.forget_layer(layer)
-        self.stats.failed_layers.append(layer.name)
-        self.stats.captured_runners = len(self.cache.all_runners())
-        warnings.warn(
-            f"cg_lightning: layer {layer.name!r} could not be captured and runs eagerly from now on "
-            f"(graphs.on_capture_error='eager'); the other layers stay graphed. Cause: {layer.failure}",
-            stacklevel=5,
-        )
-
-    def _allocated(self) -> int:
-        if self.backend is not None and self.backend.name == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        return 0
+            self._sets.capture(record, self.grad_ready, self._segment_ends)
 
 
 def _detach_tree(tree):

@@ -1,61 +1,30 @@
-"""One graphed call: warmup, parameter discovery, forward and backward capture, replay.
+"""One graphed call: its static buffers, its captured graphs, matching and replay.
 
 A :class:`LayerGraphRunner` belongs to one layer, one call index within a training step (a block
-applied twice per step has two runners) and one :class:`CallSignature`. Its life:
-
-1. ``warmup()``: ``num_warmup_iters`` eager forward+backward passes on the recorded sample arguments,
-   with recomputation bypassed, to find the parameters reachable only through recomputation.
-2. ``capture_forward()`` then, once all forwards of the step are captured, ``capture_backward()`` in
-   reverse order: static inputs, outputs, grad-outputs and grad-inputs live in one shared pool.
-3. ``replay_forward`` / ``replay_backward`` (called by :class:`ReplayFunction`).
-
-Gradient routing in the captured backward (Megatron-LM PR #6373): for every parameter in
-``params_to_backprop`` the outer weight gradient (``autograd.grad`` result) and the gradient a nested
-recomputation backward left in ``param.grad`` are added, each once. With ``accumulate_into_main_grad`` the
-sum goes into ``main_grad`` inside the graph and the replay returns ``None`` for that parameter (the
-contract, and why a replay does not set ``grad_added_to_main_grad``, is :mod:`cg_lightning.protocol`).
-Otherwise the sum is returned to autograd, cloned unless the caller opted out or the parameter is a
-delayed-wgrad one (TransformerEngine PR #2937, pytorch/pytorch#181723). The policy is frozen at capture.
-
-Grad-ready counts equal eager execution's, call by call (Megatron-LM PR #6242). In eager execution a
-parameter reports ready once in the outer backward if that backward reaches it at all (autograd sums
-every use before its ``AccumulateGrad`` node runs), plus once per nested recomputation backward that
-uses it. A runner therefore
-
-* gives the replay node an autograd edge only to the *eagerly visible* parameters (those an eager,
-  un-bypassed forward of this call reaches from its outputs; found by one probe forward during warmup),
-  so the outer backward reports them exactly as eager does, however many calls share them;
-* records every notification fired during the backward capture (``CheckpointWithoutOutput``'s nested
-  backwards), duplicates and order kept, filtered to nothing, and replays the list after each backward
-  replay;
-* adds one notification per parameter used inside each reentrant region that capture bypassed (eager
-  execution would have run that region's nested backward).
-
-Without ``accumulate_into_main_grad`` (``make_graphed_callables``) every parameter in
-``params_to_backprop`` keeps its edge, since autograd must deliver its gradient; one recorded occurrence
-of each hidden parameter is then absorbed by that edge.
+applied twice per step has two runners) and one :class:`CallSignature`. Its capture half (warmup and
+discovery, forward and backward capture, the backward body) is :mod:`.call_capture`; where each parameter
+gradient goes is its :class:`~.routing.Routing`, and the grad-ready notifications every backward replay fires
+are its :class:`~.replay_plan.ReplayPlan`, both fixed at capture as values. ``replay_forward`` /
+``replay_backward`` (called by :class:`ReplayFunction`) run every step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from typing import Callable, Iterator, List, Optional, Sequence, Set
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from .buffer_reuse import check_shared_inputs, copy_into_static
-from .autocast import autocast_as, autocast_off, autocast_state
-from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
+from .autocast import autocast_state
 from . import guards
+from .call_capture import CallCapture
 from .grad_layouts import static_grad_output_buffer
-from .guards import GraphCaptureError
-from .host_sync import refuse_host_sync
-from .discovery import owned_parameters, params_to_backprop, reachable_leaves
+from .discovery import owned_parameters
 from .main_grad_adds import MainGradAdds
+from .replay_plan import ReplayPlan
 from .routing import Routing
 from .signature import CallSignature
-from .state import graph_capture, graph_warmup, recording_grad_ready
 from .. import protocol
 from .. import torch_compat
 
@@ -63,12 +32,7 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getter for the 
 _TRAINING = operator.attrgetter("training")
 
 
-def _flat_outputs(out) -> tuple:
-    leaves, spec = torch_compat.tree_flatten(out)
-    return leaves, spec
-
-
-class LayerGraphRunner:
+class LayerGraphRunner(CallCapture):
     """Forward and backward graph of one call of one layer.
 
     Args:
@@ -131,10 +95,7 @@ class LayerGraphRunner:
             for s, m in zip(samples, [m for m, t in zip(signature.metas, signature.is_tensor) if t])
         ]
         self.num_inputs = len(self.static_inputs)
-        self._warmup_reachable: Set[int] = set()
-        self._visible: Set[int] = set()
-        self._eager_visible: Set[int] = set()
-        self._bypassed_regions: List[Set[int]] = []
+        self._init_capture()
         #: where each parameter gradient goes (:mod:`.routing`), fixed by capture_forward
         self.routing = Routing((), (), (), (), ())
         #: static inputs that alias the previous runner's static outputs (memory-saving mode, segments), that
@@ -144,28 +105,19 @@ class LayerGraphRunner:
         self.shared_from = None
         self.outputs_shared = False
         self.returned_versions: List[int] = []
-        self.replay_plan: List[Callable[[], None]] = []
-        self._report_all: Callable[[], None] = protocol.report_each(())  # replay_plan + direct, in one call
+        self._set_plan(ReplayPlan())  # built by capture_backward
         self.output_requires_grad: List[bool] = []
         self._out_spec = None
         self._single_output = False  # the layer returns one tensor (no pytree at replay)
-        self._autograd_outputs: Optional[list] = None
         self._fwd = None
         self._bwd = None
         self.static_grad_outputs: List[Optional[torch.Tensor]] = []
-        #: set while this runner is captured as a segment member (see :mod:`.segments`)
-        self.defer_static_grad_outputs = False
         #: where the backward body's main_grad additions go: one per body (flush_bytes 0), or the segment's
         #: shared :class:`~.main_grad_adds.MainGradAdds` that launches several members' additions together
         self.main_grad_adds = MainGradAdds(flush_bytes=0)
         self.replays = 0
-        self._recording: Optional[list] = None
-        self._anchors: List[torch.Tensor] = []
-        self._anchor: Optional[torch.Tensor] = None
         first = self.static_inputs[0] if self.static_inputs else next(iter(self.owned), None)
         self._device = first.device if first is not None else torch.device("cpu")
-        self._foreign_params: List[torch.nn.Parameter] = []
-        self.recorded_occurrences: List[torch.nn.Parameter] = []
         self._frozen_at_capture: List[torch.nn.Parameter] = []
         self._unseen_if_frozen: List[torch.nn.Parameter] = []
         self.forward_generation = 0
@@ -200,103 +152,6 @@ class LayerGraphRunner:
         return out
 
     # ----------------------------------------------------------------- building
-    def _run_module(self, inputs: Sequence[torch.Tensor]):
-        args, kwargs = self.signature.rebuild(inputs)
-        with torch.enable_grad(), autocast_as(self.autocast):
-            out = self._call(*args, **kwargs)
-        leaves, spec = _flat_outputs(out)
-        bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
-        if bad:
-            raise GraphCaptureError(
-                f"layer {self.name!r} returns non-tensor outputs ({', '.join(bad)}); a graphed layer must return "
-                "tensors (or nested tuples/lists/dicts of tensors). Exclude it from graphs.layers."
-            )
-        return leaves, spec
-
-    def _grad_targets(self, params: Sequence[torch.nn.Parameter], inputs: Sequence[torch.Tensor]):
-        return [t for t in inputs if t.requires_grad] + list(params)
-
-    def warmup(self) -> None:
-        """Eager passes with recomputation bypassed; records the parameters they reach.
-
-        First one probe forward exactly as eager training runs it (recomputation on): the parameters it
-        reaches from the outputs are the ones eager execution reports ready in the outer backward.
-
-        Raises:
-            GraphCaptureError: naming the layer, if a pass fails or the layer runs under saved-tensor
-                hooks (an enclosing non-reentrant ``torch.utils.checkpoint``).
-        """
-        guards.refuse_capture_only_hooks(self.name, self.module)
-        guards.refuse_saved_tensor_hooks(self.name)
-        try:
-            self._warmup_passes()
-        except GraphCaptureError:
-            raise
-        except Exception as exc:
-            raise GraphCaptureError(guards.capture_failure(self.name, "warmup", exc)) from exc
-
-    def _warmup_passes(self) -> None:
-        inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in self.static_inputs]
-        outs, _ = self._run_module(inputs)
-        self._eager_visible = reachable_leaves(outs)
-        del outs, inputs
-        grad_params = [p for p in self.owned if p.requires_grad]
-        with graph_warmup(), bypass_reentrant_checkpoint():
-            for _ in range(self.num_warmup_iters):
-                inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in self.static_inputs]
-                outs, _ = self._run_module(inputs)
-                self._warmup_reachable |= reachable_leaves(outs)
-                diff = [o for o in outs if o.requires_grad]
-                targets = self._grad_targets(
-                    [p for p in grad_params if id(p) in self._warmup_reachable], inputs
-                )
-                if diff and targets:
-                    with autocast_off():
-                        torch.autograd.grad(
-                            diff, targets, [torch.ones_like(o) for o in diff], allow_unused=True
-                        )
-                del outs, diff, inputs
-
-    def capture_forward(self) -> None:
-        """Capture the forward into the shared pool; fixes ``params_to_backprop``."""
-
-        def body():
-            # The eager backend re-runs this body at every replay: same context as the capture.
-            if self._anchor is None:  # created inside the capture, on the capture stream
-                self._anchor = torch.empty((), device=self._device, requires_grad=True)
-            with graph_capture(), bypass_reentrant_checkpoint(), using_anchor(self._anchor):
-                outs, spec = self._run_module(self.static_inputs)
-            self._autograd_outputs = outs
-            self._out_spec = spec
-            return list(outs)
-
-        guards.refuse_capture_only_hooks(self.name, self.module)
-        try:
-            with recording_bypassed_regions() as regions, refuse_host_sync():
-                self._fwd = self.backend.capture(body, self.pool)
-        except GraphCaptureError:
-            raise
-        except Exception as exc:  # host syncs, CPU tensors, data-dependent control flow ...
-            raise GraphCaptureError(guards.capture_failure(self.name, "forward", exc)) from exc
-        self._bypassed_regions = regions
-        marker = object()
-        single = len(self._autograd_outputs) == 1
-        self._single_output = single and torch_compat.tree_unflatten([marker], self._out_spec) is marker
-        outs = self._autograd_outputs
-        self.output_requires_grad = [o.requires_grad for o in outs]
-        self._visible = reachable_leaves(outs)
-        guards.refuse_foreign_leaves(self.name, outs, self.owned, self.static_inputs, self._anchor)
-        self._frozen_at_capture = [p for p in self.owned if not p.requires_grad]
-        self.routing = Routing.at_capture(
-            params_to_backprop(self.owned, self._visible, self._warmup_reachable), self._visible,
-            self._eager_visible, self.accumulate_into_main_grad, self.clone_param_grads_on_return)
-        #: parameters whose freezing after capture only the replay can notice (hidden ones; direct ones later)
-        self._unseen_if_frozen = list(self.routing.hidden)
-        self._anchors = [self._anchor] if id(self._anchor) in self._visible else []
-        self._direct_notifiers: List[Callable[[], None]] = []
-        if not self.defer_static_grad_outputs:
-            self.make_static_grad_outputs()
-
     @property
     def adds_into_main_grad(self) -> bool:
         """The captured backward adds some parameter gradient into ``main_grad`` (checked at every backward
@@ -333,25 +188,6 @@ class LayerGraphRunner:
         """The parameters the replay reports ready itself (:mod:`.direct_ready`)."""
         return list(self.routing.direct)
 
-    def sum_through_autograd(self, param_ids: Set[int]) -> None:
-        """The parameters of ``param_ids`` (eagerly visible ones, reached by other graphed calls of the same
-        step too) are not added into ``main_grad`` by this layer's backward graph: their gradients are returned
-        through the replay node's edge instead, so autograd sums every call's share before the parameter's
-        ``AccumulateGrad`` hook adds the sum into ``main_grad`` once, ``main + (a + b)`` as in eager training,
-        where a graph adding its share itself would give ``(main + a) + b`` (other float32 rounding once
-        ``main_grad`` is not zero: gradient accumulation). Call after ``capture_forward``, before the backward
-        is captured; a parameter also finalized inside a recomputation region here is left as it is."""
-        nested = set().union(*self._bypassed_regions)
-        drop = {pid for pid in param_ids if pid in self._eager_visible and pid not in nested}
-        if not drop:
-            return
-        self.routing = self.routing.summed_through_autograd(drop)
-
-    def visible_main_grad_params(self) -> List[torch.nn.Parameter]:
-        """Parameters the captured backward adds into ``main_grad`` and that eager autograd reaches from this
-        call's outputs (the outer path, not only a recomputation region)."""
-        return [p for p in self.routing.into_main_grad if id(p) in self._eager_visible]
-
     @property
     def main_grad_params(self) -> List[torch.nn.Parameter]:
         """Parameters whose gradient the captured backward adds into ``main_grad`` itself."""
@@ -375,8 +211,23 @@ class LayerGraphRunner:
             raise ValueError(f"graphed {self.name!r}: a parameter without a grad-ready reporter (no DDP engine)")
         self.routing = routing
         self._unseen_if_frozen = self.hidden_params + direct  # disjoint: direct ones are eagerly visible
-        self._direct_notifiers = notifiers
-        self._report_all = protocol.batch_notifiers(self.grad_ready, self.replay_plan + notifiers)
+        self._set_plan(self.plan.reporting_directly(notifiers, self.grad_ready))
+
+    # ----------------------------------------------------------------- grad-ready replay plan
+    def _set_plan(self, plan: ReplayPlan) -> None:
+        """Make ``plan`` the one every backward replay fires (its batched report is kept at hand)."""
+        self.plan = plan
+        self._report_all = plan.report  # the recorded notifications + the direct ones, in one call
+
+    @property
+    def replay_plan(self) -> List[Callable[[], None]]:
+        """The recorded and bypassed-region notifications each backward replay fires, in order."""
+        return list(self.plan.notifications)
+
+    @property
+    def recorded_occurrences(self) -> List[torch.nn.Parameter]:
+        """The parameters notified during the backward capture, duplicates and order kept."""
+        return list(self.plan.recorded)
 
     # ----------------------------------------------------------------- buffers shared with other runners
     @property
@@ -412,25 +263,6 @@ class LayerGraphRunner:
         """Where the backward body's ``main_grad`` additions go (a segment's members share one)."""
         self.main_grad_adds = adds
 
-    @contextlib.contextmanager
-    def deferring_static_grad_outputs(self) -> Iterator[None]:
-        """Within the block, ``capture_forward`` leaves the gradient-output buffers to a later
-        :meth:`make_static_grad_outputs` (a segment's forward capture region must not allocate them)."""
-        self.defer_static_grad_outputs = True
-        try:
-            yield
-        finally:
-            self.defer_static_grad_outputs = False
-
-    @contextlib.contextmanager
-    def using_backend(self, backend) -> Iterator[None]:
-        """Within the block, capture through ``backend`` (a segment's member backend)."""
-        saved, self.backend = self.backend, backend
-        try:
-            yield
-        finally:
-            self.backend = saved
-
     def make_static_grad_outputs(self) -> None:
         """Allocate the buffers the backward graph reads its output gradients from. Outside any capture
         region: inside one (a segment's forward) the allocation would be recorded as a memset on pool memory
@@ -440,123 +272,6 @@ class LayerGraphRunner:
             static_grad_output_buffer(o, layouts[k] if k < len(layouts) else None) if g else None
             for k, (o, g) in enumerate(zip(self._fwd.outputs, self.output_requires_grad))
         ]
-
-    def _backward_body(self) -> List[Optional[torch.Tensor]]:
-        with graph_capture(), autocast_off():  # backward runs outside autocast (capture.autocast_off)
-            return self._backward_body_inner()
-
-    def _backward_body_inner(self) -> List[Optional[torch.Tensor]]:
-        outs = self._autograd_outputs
-        self._autograd_outputs = None
-        routing = self.routing
-        params = routing.backprop
-        stashed = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        diff = [(o, g) for o, g in zip(outs, self.static_grad_outputs) if g is not None]
-        targets = self._grad_targets(params, self.static_inputs)
-        grads: List[Optional[torch.Tensor]] = [None] * len(targets)
-        if diff and (targets or self._anchors):
-            # The recomputation anchors make autograd.grad run every CheckpointWithoutOutput region's
-            # backward, even one on no path to the inputs or owned parameters; their grads are dropped.
-            with torch.enable_grad():
-                grads = list(
-                    torch.autograd.grad(
-                        [o for o, _ in diff], targets + self._anchors, [g for _, g in diff], allow_unused=True
-                    )
-                )[: len(targets)]
-        n_in = len(targets) - len(params)
-        input_grads, wgrads = grads[:n_in], grads[n_in:]
-        param_slots: List[Optional[torch.Tensor]] = []
-        into_main_grad = set(map(id, routing.into_main_grad))
-        edges = set(map(id, routing.edges))
-        # (main_grad, gradient) pairs, added by multi-tensor kernels (main_grad_adds): the same elementwise
-        # additions as one main_grad.add_ per parameter, in order (bit-identical), in a few kernels instead of
-        # one per parameter (at the tiny benchmark size: 149 add kernels, about 0.3 ms per step)
-        mains: List[torch.Tensor] = []
-        addends: List[torch.Tensor] = []
-        for p, wgrad, old in zip(params, wgrads, stashed):
-            nested = p.grad
-            p.grad = old
-            total = wgrad if nested is None else (nested if wgrad is None else wgrad + nested)
-            if id(p) in into_main_grad:
-                if total is not None:
-                    mains.append(protocol.main_grad(p))
-                    addends.append(total)
-                total = None
-            if id(p) in edges:
-                param_slots.append(total)
-        self.main_grad_adds.add(mains, addends)
-        # shares for other modules' parameters go in now: an earlier layer may write their main_grad itself
-        foreign = self._foreign_params if self._recording is None else self._foreign_in(self._recording)
-        foreign_mains: List[torch.Tensor] = []
-        foreign_addends: List[torch.Tensor] = []
-        for p in foreign:
-            nested, p.grad = p.grad, None
-            if nested is not None and protocol.has_main_grad(p):
-                foreign_mains.append(protocol.main_grad(p))
-                foreign_addends.append(nested)
-        self.main_grad_adds.add(foreign_mains, foreign_addends, defer=False)
-        return input_grads + param_slots
-
-    def _foreign_in(self, occurrences) -> List[torch.nn.Parameter]:
-        """Parameters a nested recomputation finalized that this layer does not own, once each."""
-        mine = set(map(id, self.routing.backprop))
-        seen: Set[int] = set()
-        out = []
-        for p, _ in occurrences:
-            if id(p) not in mine and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
-
-    def capture_backward(self) -> None:
-        """Capture the backward (after every forward of the step was captured); builds the replay plan.
-
-        Parameters of other modules that a nested recomputation finalizes (it closes over them) are not
-        added to this layer's inputs; their nested gradient goes into their ``main_grad`` inside the
-        graph and their recorded notifications are replayed, so nothing is lost.
-        """
-        if not any(self.output_requires_grad):
-            self._bwd = None
-            self._autograd_outputs = None
-            return
-        try:
-            with graph_capture(), recording_grad_ready() as occurrences, refuse_host_sync():
-                self._recording = occurrences
-                self._bwd = self.backend.capture(self._backward_body, self.pool)
-        except GraphCaptureError:
-            raise
-        except Exception as exc:
-            raise GraphCaptureError(guards.capture_failure(self.name, "backward", exc)) from exc
-        finally:
-            self._recording = None
-        self._foreign_params = self._foreign_in(occurrences)
-        self.replay_plan = self._build_replay_plan(occurrences)
-        self._report_all = protocol.batch_notifiers(self.grad_ready, self.replay_plan + self._direct_notifiers)
-        self.recorded_occurrences = [p for p, _ in occurrences]
-
-    def _build_replay_plan(self, occurrences) -> List[Callable[[], None]]:
-        """The notifications to fire after every backward replay (see the module docstring)."""
-        events = list(occurrences)
-        by_id = {id(p): p for p in self.routing.backprop}
-        for region in reversed(self._bypassed_regions):  # nested backwards run in reverse region order
-            for pid in region:
-                param = by_id.get(pid)
-                notify = protocol.notifier_of(self.grad_ready, param) if param is not None else None
-                if notify is not None:
-                    events.append((param, notify))
-        edges = set(map(id, self.routing.edges))
-        absorbed: Set[int] = set()
-        plan = []
-        for param, notify in events:
-            # A parameter that eager's outer backward does not reach but that has an edge here (no
-            # main_grad accumulation: autograd must deliver its gradient) reports once through the edge.
-            if id(param) in edges and id(param) not in self._eager_visible and id(param) not in absorbed:
-                absorbed.add(id(param))
-                continue
-            plan.append(notify)
-        return plan
 
     # ----------------------------------------------------------------- replay
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> tuple:
@@ -629,4 +344,3 @@ class LayerGraphRunner:
         if self._single_output:
             return flat[0]
         return torch_compat.tree_unflatten(list(flat), self._out_spec)
-

@@ -1,6 +1,8 @@
 """Capturing the recorded calls of one step as a graph set, dropping layers whose capture fails.
 
-All calls are captured together by :func:`~.capture.capture_in_order` (forwards in order, backwards in
+:class:`SetCapture` is the graph manager's capture half: it owns the memory pool the graph sets share, builds
+one :class:`LayerGraphRunner` per recorded call, captures them (:func:`capture_calls`) and adds the resulting
+:class:`~.graph_sets.GraphSet` to the cache. All calls are captured together by :func:`~.capture.capture_in_order` (forwards in order, backwards in
 reverse, one pool). When one runner raises :class:`GraphCaptureError` and the policy is ``"eager"``, its
 layer is reported through ``on_failed`` and every remaining call is captured again from scratch: the
 failed attempt's runners are dropped and ``capture_in_order`` has restored the training state, so nothing
@@ -9,14 +11,22 @@ of it survives. With ``"raise"`` the error propagates, naming the layer.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+import time
+import warnings
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
+import torch
 import torch.nn as nn
 
+from .. import protocol, torch_compat
+from . import direct_ready
 from .capture import capture_in_order
-from .graph_sets import CallRecord
+from .graph_sets import CallRecord, GraphSet, GraphSetCache, GraphStats, StepRecord
 from .guards import GraphCaptureError
+from .options import GraphOptions
 from .runner import LayerGraphRunner
+from .grad_layouts import watch_grad_layouts
+from .segments import draws, find_segments, rng_state
 
 
 def capture_calls(
@@ -51,3 +61,122 @@ def capture_calls(
             calls = [c for c in calls if c.layer is not layer]
     return [], []
 
+
+
+def run_recorded(record: CallRecord, forward: Callable, args: tuple, kwargs: dict, segments: bool,
+                 device: torch.device):
+    """Run a recorded call eagerly, ``forward(*args, **kwargs)``, and keep in ``record`` what its capture needs:
+    its gradient layouts and, with ``segments``, the version counters, hooks and random states that decide
+    where segments end."""
+    if segments:
+        if args and isinstance(args[0], torch.Tensor):
+            record.input_version = torch_compat.version(args[0])
+            record.input_hooks = tuple(torch_compat.grad_hooks(args[0]) or ())
+        record.rng_before = rng_state(device)
+    out = forward(*args, **kwargs)
+    record.grad_output_layouts = watch_grad_layouts(out)  # before output_hooks: the hook is part of them
+    if segments:
+        record.rng_after = rng_state(device)
+    if segments and isinstance(out, torch.Tensor):
+        record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
+        record.output_version = torch_compat.version(out)
+        record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
+        record.output_hooks = tuple(torch_compat.grad_hooks(out) or ())
+    return out
+
+
+class SetCapture:
+    """Builds the graph sets of one :class:`~.manager.GraphManager`: its runners, their shared pool, the failed
+    layers (``on_capture_error="eager"``), and the capture counters of ``stats``."""
+
+    def __init__(self, model: nn.Module, options: GraphOptions, backend, device: torch.device,
+                 cache: GraphSetCache, stats: GraphStats, accumulate_into_main_grad: bool) -> None:
+        self.model = model
+        self.options = options
+        self.backend = backend
+        self.device = device
+        self.cache = cache
+        self.stats = stats
+        self.accumulate_into_main_grad = accumulate_into_main_grad
+        self.pool = None
+
+    def capture(self, record: StepRecord, grad_ready, segment_ends: Set[Tuple[int, int]]) -> Optional[GraphSet]:
+        """Capture every call of ``record`` as one graph set and add it to the cache; ``None`` if none was.
+        ``grad_ready``: the engine's reporter handed to every runner; ``segment_ends``: ``(id(layer), index)``
+        of recorded calls after which no segment may continue."""
+        start = time.perf_counter()
+        allocated = self._allocated()
+        if self.pool is None:
+            self.pool = self.backend.new_pool()
+        calls = [c for c in record.calls if c.layer.failure is None]
+        self._require_grad_ready(calls, grad_ready)
+        for call in calls:
+            call.ends_segment = (id(call.layer), call.index) in segment_ends
+        calls, runners = capture_calls(calls, lambda call: self._runner(call, grad_ready), self.model, self.options.on_capture_error,
+                                       self._mark_failed,
+                                       segments_of=find_segments if self.options.segments else None)
+        for call, runner in zip(calls, runners):
+            segment = runner.segment
+            if segment is not None and segment.node_runners is not None and draws(call):
+                segment.members_draw = True  # draws between its calls must then be refused (segment_node.follow)
+        for call in record.calls:
+            call.output = call.output_node = call.rng_before = call.rng_after = None
+        self.stats.capture_seconds += time.perf_counter() - start
+        self.stats.pool_bytes += max(0, self._allocated() - allocated)
+        if not runners:
+            return None
+        graph_set = GraphSet(record.lead, {(id(c.layer), c.index): r for c, r in zip(calls, runners)})
+        if self.options.direct_grad_ready and self.accumulate_into_main_grad:
+            graph_set.direct_pending = direct_ready.candidates(runners)
+        self.cache.sets.append(graph_set)
+        self.stats.captures += 1
+        self.stats.graph_sets = len(self.cache.sets)
+        self.stats.captured_runners = len(self.cache.all_runners())
+        self.stats.segments = len({id(r.segment) for r in self.cache.all_runners() if r.segment is not None})
+        return graph_set
+
+    def _runner(self, call: CallRecord, grad_ready) -> LayerGraphRunner:
+        return LayerGraphRunner(
+            call.layer.name,
+            call.layer.module,
+            call.layer.forward,
+            call.signature,
+            call.args,
+            call.kwargs,
+            self.backend,
+            self.pool,
+            accumulate_into_main_grad=self.accumulate_into_main_grad,
+            clone_param_grads_on_return=False,
+            num_warmup_iters=self.options.num_warmup_iters,
+            autocast=call.autocast,
+            grad_output_layouts=call.grad_output_layouts,
+            grad_ready=grad_ready,
+        )
+
+    def _require_grad_ready(self, calls, grad_ready) -> None:
+        """Raise if graphs would add into ``main_grad`` but no engine's grad-ready reporter was bound: their
+        replays could not report the parameters they finalize, and the engine would miss them."""
+        if grad_ready is not None or not self.accumulate_into_main_grad:
+            return
+        if any(protocol.has_main_grad(p) for c in calls for p in c.layer.module.parameters()):
+            raise RuntimeError(
+                "GraphManager: the graphed layers' parameters have main_grad (a DataParallelEngine owns them) but "
+                "no grad-ready reporter was bound; call manager.bind_grad_ready(engine.grad_ready) right after "
+                "building the engine, before the first capture."
+            )
+
+    def _mark_failed(self, layer, exc: BaseException) -> None:
+        layer.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        self.cache.forget_layer(layer)
+        self.stats.failed_layers.append(layer.name)
+        self.stats.captured_runners = len(self.cache.all_runners())
+        warnings.warn(
+            f"cg_lightning: layer {layer.name!r} could not be captured and runs eagerly from now on "
+            f"(graphs.on_capture_error='eager'); the other layers stay graphed. Cause: {layer.failure}",
+            stacklevel=5,
+        )
+
+    def _allocated(self) -> int:
+        if self.backend is not None and self.backend.name == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return 0
