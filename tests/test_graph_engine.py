@@ -49,8 +49,15 @@ def graphed_run(layer_cls, backend, device, steps=4, d=16, n=2, warmup_steps=1, 
     manager = GraphManager(model, options, torch.device(device))
     engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
     manager.bind_grad_ready(engine.grad_ready)
+    grads, counts = train_steps(manager, engine, model, _data(steps, d, device))
+    return grads, counts, manager, engine, model
+
+
+def train_steps(manager, engine, model, batches):
+    """SGD steps of ``engine`` over ``batches`` with ``manager``'s graphs; returns each step's ``main_grad`` by name
+    (after the all-reduce) and each step's grad-ready count by parameter name."""
     grads, counts = [], []
-    for step, x in enumerate(_data(steps, d, device)):
+    for step, x in enumerate(batches):
         manager.begin_step(step)
         engine(x).backward()
         manager.end_step()
@@ -61,7 +68,7 @@ def graphed_run(layer_cls, backend, device, steps=4, d=16, n=2, warmup_steps=1, 
             for p in model.parameters():
                 p -= LR * p.main_grad
         engine.zero_grad_buffer()
-    return grads, counts, manager, engine, model
+    return grads, counts
 
 
 def _assert_grads_equal(got, ref, tol=1e-6):

@@ -11,9 +11,9 @@ import torch
 from cg_lightning.ddp import DataParallelEngine, DDPOptions
 from cg_lightning.graphs import GraphManager, GraphOptions
 from tests import engine_models as em
-from tests.test_graph_engine import LR, _assert_grads_equal, _data, eager_reference
+from tests.source_checks import PACKAGE, offenders
+from tests.test_graph_engine import _assert_grads_equal, _data, eager_reference, train_steps
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "cg_lightning"
 CONTRACT = {"main_grad", "grad_added_to_main_grad", "skip_backward_post_hook"}
 
 
@@ -39,12 +39,8 @@ def _direct_uses(path: pathlib.Path):
 
 
 def test_contract_attributes_are_read_and_written_only_in_protocol():
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "protocol.py" and path.parent == PACKAGE:
-            continue
-        offenders += [f"{path.relative_to(PACKAGE.parent)}:{line}: {text}" for line, text in _direct_uses(path)]
-    assert not offenders, "use cg_lightning.protocol's accessors:\n" + "\n".join(offenders)
+    found = offenders(_direct_uses, PACKAGE / "protocol.py")
+    assert not found, "use cg_lightning.protocol's accessors:\n" + "\n".join(found)
 
 
 def test_the_check_sees_direct_uses(tmp_path):
@@ -72,18 +68,7 @@ def test_two_engines_over_one_model_keep_separate_reporters():
     first.close()
     assert first.grad_ready.notifier(weight) is None and engine.grad_ready.notifier(weight) is not None
     manager.bind_grad_ready(engine.grad_ready)
-    grads, counts = [], []
-    for step, x in enumerate(_data(4, 16, "cpu")):
-        manager.begin_step(step)
-        engine(x).backward()
-        manager.end_step()
-        counts.append({engine.names[p]: c for b in engine.buckets for p, c in b.counts.items()})
-        engine.finish_grad_sync()
-        grads.append({k: p.main_grad.detach().clone() for k, p in model.named_parameters()})
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= LR * p.main_grad
-        engine.zero_grad_buffer()
+    grads, counts = train_steps(manager, engine, model, _data(4, 16, "cpu"))
     assert manager.stats.forward_replays > 0
     assert all(c == counts[0] for c in counts[1:]), counts
     assert counts[0]["layers.0.fc1.weight"] == 1

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cg_lightning import torch_compat
+from tests.source_checks import PACKAGE, offenders
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "cg_lightning"
 PRIVATE_NAMES = {"_C", "_pytree", "_python_dispatch", "CheckpointFunction", "__wrapped__"}
 # torch's hook dictionaries on modules, tensors and optimizers, version counters, torch._foo_ kernels
 _HOOKS = r"_(forward|forward_pre|backward|backward_pre|post_accumulate_grad|optimizer_step_pre|optimizer_step_post|global_[a-z_]+)_hooks"
@@ -45,12 +45,8 @@ def _private_uses(path: pathlib.Path):
 
 
 def test_private_torch_apis_only_in_torch_compat():
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "torch_compat.py":
-            continue
-        offenders += [f"{path.relative_to(PACKAGE.parent)}:{line}: {text}" for line, text in _private_uses(path)]
-    assert not offenders, "go through cg_lightning.torch_compat:\n" + "\n".join(offenders)
+    found = offenders(_private_uses, PACKAGE / "torch_compat.py")
+    assert not found, "go through cg_lightning.torch_compat:\n" + "\n".join(found)
 
 
 def test_the_check_sees_private_uses(tmp_path):
