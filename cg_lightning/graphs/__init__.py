@@ -5,7 +5,8 @@ Imports only torch.
 
 from .buffer_reuse import BufferReuseError
 from .checkpointing import CheckpointWithoutOutput, checkpoint
-from .manager import GraphManager, GraphStats
+from .graph_sets import GraphStats
+from .manager import GraphManager
 from .options import GraphOptions
 from .guards import GraphCaptureError
 from .runner import LayerGraphRunner

@@ -32,7 +32,7 @@ DDP engine reports as an error naming the parameter (turn the option off for suc
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Set, Tuple
 
 import torch
 
@@ -83,3 +83,19 @@ def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, Li
         if len(nodes) == 1 and (getattr(node, "runner", None) is runner or runner in getattr(node, "runners", ())):
             out.setdefault(runner, []).append(params[pid])
     return out
+
+
+def confirm_at_backward(loss: torch.Tensor, graph_set, replayed: Set[int]) -> List[Tuple[object, List[torch.nn.Parameter]]]:
+    """At the first backward of a step that replayed ``graph_set`` (a :class:`~.graph_sets.GraphSet`): decide the
+    pending candidates of the runners that replayed in the step (``replayed``: their ids), one way or the other.
+    Returns ``(runner, confirmed parameters)`` pairs for ``runner.report_directly`` at the next step's start;
+    the decided candidates leave ``graph_set.direct_pending``, those of runners that ran eagerly stay. Nothing
+    is decided (``[]``) without candidates, replays, or a ``loss`` with an autograd graph."""
+    if not graph_set.direct_pending or not replayed:
+        return []
+    pending = {pid: r for pid, r in graph_set.direct_pending.items() if id(r) in replayed}
+    if not pending or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        return []
+    switch = list(confirmed(loss, pending).items())
+    graph_set.direct_pending = {pid: r for pid, r in graph_set.direct_pending.items() if pid not in pending}
+    return switch

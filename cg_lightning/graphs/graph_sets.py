@@ -9,58 +9,11 @@ needs its own buffers during the step it replays in.
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from .recording import StepRecord
 from .signature import CallSignature
-
-
-@dataclass
-class CallRecord:
-    """One eager call of a graphed layer, kept to capture it later (arguments detached)."""
-
-    layer: object  # the manager's _Layer
-    index: int
-    signature: CallSignature
-    args: tuple
-    kwargs: dict
-    #: the call's output when it is one tensor (detached), kept until capture to find segments, and the
-    #: version counters of its first tensor argument before the call and of its output after it (an
-    #: in-place change between two calls breaks the chain)
-    output: Optional[object] = None
-    input_version: Optional[int] = None
-    output_version: Optional[int] = None
-    #: the autocast settings in force at the call (capture.autocast_state)
-    autocast: Optional[tuple] = None
-    #: graphs.segments: the output's autograd node (kept until capture), and whether the recorded step's
-    #: backward reached that output from anywhere but the next call (segments.mark_outside_uses)
-    output_node: Optional[object] = None
-    output_used_elsewhere: bool = False
-    #: graphs.segments: some recorded micro-batch showed a reason to end a segment after this call (set at
-    #: capture from all recorded micro-batches: an outside use, a hook added or a random draw in between)
-    ends_segment: bool = False
-    #: graphs.segments: the random generator state of the layer's device just before and just after the call
-    #: (a draw between two calls ends the segment: its graph would reserve both calls' draws at launch)
-    rng_before: Optional[torch.Tensor] = None
-    rng_after: Optional[torch.Tensor] = None
-    #: graphs.segments: the gradient hooks (``register_hook`` handle ids) on the first argument when the call
-    #: was made and on the output when it returned (a hook added in between ends the segment there)
-    input_hooks: tuple = ()
-    output_hooks: tuple = ()
-    #: per flattened output, the strides of the gradient the recorded step's backward handed it (``None``
-    #: where none came): the layout the backward graph's gradient-output buffers take, so a replay computes on
-    #: the layout eager backward computes on (runner.static_grad_output_buffer)
-    grad_output_layouts: Optional[list] = None
-
-
-@dataclass
-class StepRecord:
-    """The calls of one eagerly run training step, under the step's lead signature."""
-
-    lead: CallSignature
-    calls: List[CallRecord] = field(default_factory=list)
 
 
 @dataclass

@@ -4,7 +4,7 @@ Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of ever
 
 * During the first ``warmup_steps`` steps this manager sees (counted from the first ``begin_step``, so a
   resumed run warms up again) layers run eagerly and each training call is recorded (layer, call index
-  within the step, signature, arguments); each step's record replaces the previous one.
+  within the step, signature, arguments: :mod:`.recording`); each step's record replaces the previous one.
 * At the first graphed call of the first step after warmup, every recorded call gets a
   :class:`LayerGraphRunner`: all are warmed up, their forwards captured in call order, then their
   backwards in reverse order, into one memory pool, so replays in the same order are safe. ``main_grad``,
@@ -12,7 +12,8 @@ Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of ever
   form a *graph set*, keyed by the signature of the step's first graphed call (:mod:`.graph_sets`); building
   it is :class:`~.set_capture.SetCapture`'s.
 * Each later step picks its set at its first graphed call; the i-th call of a layer replays runner
-  (layer, i) of that set. A call whose arguments differ from its runner's follows ``shape_policy``.
+  (layer, i) of that set, or, if its arguments differ from the runner's, follows ``shape_policy``
+  (:class:`~.set_replay.SetReplay`, the replay half; segments: :mod:`.segments.dispatch`).
   Under ``"recapture"`` a step whose first call matches no set runs eagerly and is recorded; the next
   step with that signature captures it as another set (same pool), up to ``max_graph_sets``.
 * A layer whose capture raises :class:`GraphCaptureError` follows ``on_capture_error``: ``"eager"``
@@ -20,32 +21,31 @@ Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of ever
 
 Calls in eval mode or under ``no_grad`` run eagerly, or, with ``capture_eval``, eval-mode calls without
 autograd replay forward-only graphs kept apart from the training graphs (:mod:`.eval_graphs`).
+
+What a training step's graphed calls do is its :class:`StepMode`, fixed at its first graphed call
+(``_start_of_step``); this module is that state machine and the dispatch of each call by mode.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
 
-from .. import torch_compat
-from . import direct_ready
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
-from .graph_sets import CallRecord, GraphSet, GraphSetCache, GraphStats, StepRecord, describe
+from .graph_sets import GraphSetCache, GraphStats, describe
 from .options import GraphOptions
-from .replay import ReplayFunction
+from .recording import StepRecord, record_call
 from .runner import LayerGraphRunner
-from .selection import select_layers
-from .autocast import autocast_state
-from .segments import SegmentError, breaks_between, mark_outside_uses
-from .segments import node as segment_node
-from .set_capture import SetCapture, run_recorded
-from .signature import CallSignature, GraphSignatureError
+from .segments import segment_ends
+from .selection import GraphedLayer, select_layers
+from .set_capture import SetCapture
+from .set_replay import SetReplay
+from .signature import CallSignature
 
 
 class StepMode(enum.Enum):
@@ -55,19 +55,6 @@ class StepMode(enum.Enum):
     RECORD = "record"  #: run eagerly and record the calls (warmup, or a new signature under "recapture")
     REPLAY = "replay"  #: replay the active graph set's runners
     EAGER = "eager"  #: run eagerly (every layer failed, or the graph-set cache is full)
-
-
-#: what :meth:`GraphManager._follow_segment` returns when the member replays through its own node
-_NOT_HANDED = object()
-
-
-@dataclass
-class _Layer:
-    name: str
-    module: nn.Module
-    forward: object  # the original bound forward
-    warned: bool = False
-    failure: Optional[str] = None  # why its capture failed (it then runs eagerly)
 
 
 class GraphManager:
@@ -99,15 +86,17 @@ class GraphManager:
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self.backend = make_backend(options.backend, device) if options.enabled else None
         self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
-        self.layers: List[_Layer] = []
+        self.layers: List[GraphedLayer] = []
         for name, module in select_layers(model, options.layers):
-            layer = _Layer(name, module, module.forward)
+            layer = GraphedLayer(name, module, module.forward)
             module.forward = self._make_dispatch(layer)
             self.layers.append(layer)
         self.cache = GraphSetCache(options.max_graph_sets)
         #: the capture half: runners, their shared pool, failed layers (:mod:`.set_capture`)
         self._sets = SetCapture(model, options, self.backend, device, self.cache, self.stats,
                                 accumulate_into_main_grad)
+        #: the replay half: the step's graph set, shape policy, direct-ready confirmation (:mod:`.set_replay`)
+        self._replay = SetReplay(options, self.stats, device)
         self.eval_graphs: Optional[EvalGraphs] = None  # built at the first eval call with capture_eval on
         self._warmup_record: Optional[StepRecord] = None  # the last warmup step's calls
         self._start_step: Optional[int] = None
@@ -116,12 +105,9 @@ class GraphManager:
         self._in_training_step = False
         self._mode = StepMode.UNSTARTED
         self._recording: Optional[StepRecord] = None
-        self._active: Optional[GraphSet] = None
         self._cache_full_warned = False
-        self._direct_switch: List[Tuple[LayerGraphRunner, List[nn.Parameter]]] = []  # applied at begin_step
         self._segment_ends: Set[Tuple[int, int]] = set()  # graphs.segments: (id(layer), index) of recorded calls
-        # after which some recorded micro-batch showed a reason to end a segment (segments.breaks_between)
-        self._replayed: set = set()
+        # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
         self.grad_ready = None
 
@@ -155,16 +141,11 @@ class GraphManager:
             self._start_step = global_step
         self.cache.limit = self.options.max_graph_sets
         self._global_step = global_step
-        for runner, params in self._direct_switch:  # confirmed during the last step's backward
-            runner.report_directly(params)
-            self.stats.direct_ready_params += len(params)
-        self._direct_switch = []
-        self._replayed = set()  # id(runner) replayed in this step, while a set has direct-ready candidates
+        self._replay.begin_step()
         self._calls = {}
         self._in_training_step = True
         self._mode = StepMode.UNSTARTED
         self._recording = None
-        self._active = None
 
     def end_step(self) -> None:
         self._in_training_step = False
@@ -176,27 +157,22 @@ class GraphManager:
         (``graphs.direct_grad_ready``): confirm which candidate parameters only their own replay reaches;
         they are reported by the replay from the next step on."""
         if self._mode is StepMode.RECORD and self.options.segments and isinstance(loss, torch.Tensor):
-            mark_outside_uses(loss, self._recording.calls)
             # what any recorded micro-batch showed counts (accumulation: the capture sees only the last one)
-            calls = self._recording.calls
-            self._segment_ends.update(
-                (id(prev.layer), prev.index) for prev, call in zip(calls, calls[1:]) if breaks_between(prev, call))
-            return
-        graph_set = self._active
-        if self._mode is not StepMode.REPLAY or graph_set is None or not graph_set.direct_pending or not self._replayed:
-            return
-        pending = {pid: r for pid, r in graph_set.direct_pending.items() if id(r) in self._replayed}
-        if not pending or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
-            return
-        self._direct_switch.extend(direct_ready.confirmed(loss, pending).items())
-        # decided, one way or the other; candidates of runners that ran eagerly this step stay pending
-        graph_set.direct_pending = {pid: r for pid, r in graph_set.direct_pending.items() if pid not in pending}
+            self._segment_ends.update(segment_ends(loss, self._recording.calls))
+        elif self._mode is StepMode.REPLAY:
+            self._replay.before_backward(loss)
 
     @property
     def capture_due(self) -> bool:
         """Warmup is over (the capture happens at the first graphed call of a step from then on)."""
         start = self._start_step if self._start_step is not None else 0
         return self.backend is not None and self._global_step >= start + max(1, self.options.warmup_steps)
+
+    def capture(self) -> None:
+        """Capture the calls recorded in the last warmup step now (normally done at the next step)."""
+        if self._warmup_record is not None:
+            record, self._warmup_record = self._warmup_record, None
+            self._sets.capture(record, self.grad_ready, self._segment_ends)
 
     def remove(self) -> None:
         """Restore every layer's original ``forward`` and drop the graphs."""
@@ -208,14 +184,55 @@ class GraphManager:
         if self.eval_graphs is not None:
             self.eval_graphs.clear()
 
+    def _start_of_step(self, args: tuple, kwargs: dict) -> None:
+        """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""
+        if all(layer.failure is not None for layer in self.layers):
+            self._mode = StepMode.EAGER  # nothing left to capture
+            return
+        if not self.capture_due or (not self.cache.sets and not self._warmup_record):
+            self._warmup_record = StepRecord(CallSignature(args, kwargs))
+            self._mode, self._recording = StepMode.RECORD, self._warmup_record
+            return
+        self.capture()
+        self._mode = StepMode.REPLAY
+        replay = self._replay
+        replay.graph_set = self.cache.find(args, kwargs)
+        if replay.graph_set is not None:
+            return
+        if self.options.shape_policy != "recapture":
+            if self.cache.sets:  # mismatching calls follow the policy (SetReplay)
+                replay.graph_set = self.cache.sets[0]
+            else:
+                self._mode = StepMode.EAGER  # every layer failed to capture
+            return
+        pending = self.cache.pop_pending(args, kwargs)
+        if pending is not None:
+            replay.graph_set = self._sets.capture(pending, self.grad_ready, self._segment_ends)
+            if replay.graph_set is None:
+                self._mode = StepMode.EAGER
+        elif not self.cache.full:
+            self._recording = StepRecord(CallSignature(args, kwargs))
+            self.cache.pending.append(self._recording)
+            self._mode = StepMode.RECORD
+        else:
+            self._mode = StepMode.EAGER
+            if not self._cache_full_warned:
+                self._cache_full_warned = True
+                warnings.warn(
+                    f"cg_lightning: graphs.max_graph_sets={self.cache.limit} graph sets exist; steps with other "
+                    f"argument signatures (this one: {describe(CallSignature(args, kwargs))}) run eagerly. Further "
+                    "such steps are not reported.",
+                    stacklevel=4,
+                )
+
     # ----------------------------------------------------------------- dispatch
-    def _make_dispatch(self, layer: _Layer):
+    def _make_dispatch(self, layer: GraphedLayer):
         def forward(*args, **kwargs):
             return self._dispatch(layer, args, kwargs)
 
         return forward
 
-    def _dispatch(self, layer: _Layer, args: tuple, kwargs: dict):
+    def _dispatch(self, layer: GraphedLayer, args: tuple, kwargs: dict):
         """One call of a graphed layer: outside a training step (or without autograd) it runs eagerly or replays
         an eval graph; inside one, the step's :class:`StepMode`, fixed at its first graphed call, decides."""
         if not self._graphable(layer):
@@ -229,119 +246,31 @@ class GraphManager:
         index = self._calls.get(key, 0)
         self._calls[key] = index + 1
         if self._mode is StepMode.RECORD:
-            return self._record_call(layer, index, args, kwargs)
+            if self._recording is self._warmup_record:
+                self.stats.eager_calls += 1
+            else:
+                self.stats.fallback_calls += 1
+            return record_call(self._recording, layer, index, args, kwargs, self.options.segments, self.device)
         if self._mode is StepMode.EAGER:
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
-        return self._replay_call(layer, index, args, kwargs)
+        return self._replay.call(layer, index, args, kwargs)
 
-    def _graphable(self, layer: _Layer) -> bool:
+    def _graphable(self, layer: GraphedLayer) -> bool:
         return (self.backend is not None and self._in_training_step and layer.module.training
                 and torch.is_grad_enabled())
 
-    def _ungraphed_call(self, layer: _Layer, args: tuple, kwargs: dict):
+    def _ungraphed_call(self, layer: GraphedLayer, args: tuple, kwargs: dict):
         """A call in eval mode, without autograd or outside a training step."""
-        self._refuse_pending_member(layer)
+        if self._mode is StepMode.REPLAY and self._in_training_step:
+            self._replay.refuse_pending_member(layer, self._calls.get(id(layer), 0))
         if (self.options.capture_eval and self.backend is not None and not layer.module.training
                 and not torch.is_grad_enabled()):
             return self._eval_call(layer, args, kwargs)
         self.stats.eager_calls += 1
         return layer.forward(*args, **kwargs)
 
-    def _record_call(self, layer: _Layer, index: int, args: tuple, kwargs: dict):
-        """:attr:`StepMode.RECORD`: run the call eagerly and keep what its capture needs."""
-        record = CallRecord(layer, index, CallSignature(args, kwargs), _detach_tree(args), _detach_tree(kwargs),
-                            autocast=autocast_state())
-        self._recording.calls.append(record)
-        if self._recording is self._warmup_record:
-            self.stats.eager_calls += 1
-        else:
-            self.stats.fallback_calls += 1
-        return run_recorded(record, layer.forward, args, kwargs, self.options.segments, self.device)
-
-    def _replay_call(self, layer: _Layer, index: int, args: tuple, kwargs: dict):
-        """:attr:`StepMode.REPLAY`: replay the call's runner of the active graph set (a segment's first call
-        launches the segment, a following member takes its output), or follow ``shape_policy``."""
-        runner = self._active.runners.get((id(layer), index))
-        follows = runner is not None and runner.segment is not None and not runner.segment_launcher
-        if follows:
-            out = self._follow_segment(layer, runner, args, kwargs)
-            if out is not _NOT_HANDED:
-                return out
-        if runner is None or not runner.signature.matches(args, kwargs) or not runner.settings_match():
-            if follows:
-                raise SegmentError(
-                    f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran "
-                    "for this pass, but it was called with other arguments than captured:\n  "
-                    + "\n  ".join(runner.mismatches(args, kwargs))
-                    + "\nA segment replays all or none of its layers. Set graphs.segments=false for this model."
-                )
-            return self._fallback(layer, index, runner, args, kwargs)
-        tensors = runner.signature.tensor_leaves(args, kwargs)
-        segment = runner.segment
-        if segment is not None and segment.node_runners is not None:
-            return self._segment_launch(segment, tensors)
-        flat = ReplayFunction.apply(runner, *tensors, *runner.apply_edges)
-        self.stats.forward_replays += 1
-        if self._active.direct_pending:
-            self._replayed.add(id(runner))
-        return runner.output_structure(flat)
-
-    def _follow_segment(self, layer: _Layer, runner, args: tuple, kwargs: dict):
-        """A following member of a segment: its handed output, an eager call when the segment's first call ran
-        eagerly in this pass, or :data:`_NOT_HANDED` (a segment replayed through per-member nodes whose launch
-        ran: the member replays its own node)."""
-        if torch_compat.module_hooks(layer.module)["forward_pre_hooks"]:
-            raise SegmentError(
-                f"graphed {layer.name!r} is inside a segment (graphs.segments=true) and got a forward pre-hook "
-                "after capture: the segment's graph ran this layer at the segment's first call, before the hook. "
-                "Register the hook before the first training step (the segment then ends before this layer), or "
-                "set graphs.segments=false for this model."
-            )
-        if runner.segment.node_runners is not None:
-            return self._segment_follower(layer, runner, args, kwargs)
-        if not runner.segment.launched_for(runner):
-            # the segment's first call ran eagerly in this pass (its arguments differed): so does the rest
-            self.stats.fallback_calls += 1
-            return layer.forward(*args, **kwargs)
-        return _NOT_HANDED
-
-    def _segment_launch(self, segment, tensors):
-        """The first call of a segment replayed through one autograd node (:func:`.segments.node.launch`)."""
-        out = segment_node.launch(segment, tensors, self.device)
-        self.stats.forward_replays += 1
-        if self._active.direct_pending:
-            self._replayed.add(id(segment.node_runners[0]))
-        return out
-
-    def _segment_follower(self, layer: _Layer, runner, args: tuple, kwargs: dict):
-        """A following call of such a segment: the output the launch computed (:func:`.segments.node.follow`),
-        or an eager call when the segment's first call ran eagerly in this pass."""
-        out = segment_node.follow(runner, args, kwargs, self.device)
-        if out is None:
-            self.stats.fallback_calls += 1
-            return layer.forward(*args, **kwargs)
-        self.stats.forward_replays += 1
-        if self._active.direct_pending:
-            self._replayed.add(id(runner))
-        return out
-
-    def _refuse_pending_member(self, layer: _Layer) -> None:
-        """Raise if ``layer``'s next call is a following member of a segment that already ran it for this
-        pass (called in eval mode or without grad in the middle of a training forward)."""
-        if self._mode is not StepMode.REPLAY or self._active is None or not self._in_training_step:
-            return
-        runner = self._active.runners.get((id(layer), self._calls.get(id(layer), 0)))
-        segment = runner.segment if runner is not None else None
-        if segment is None or segment.handed is None or not segment.handed.pending(runner):
-            return
-        raise SegmentError(
-            f"graphed {layer.name!r} is inside a segment (graphs.segments=true) whose graphs already ran it for this "
-            f"pass, but it was called {'in eval mode' if not layer.module.training else 'with gradients disabled'}. "
-            "A segment replays all or none of its layers; set graphs.segments=false for this model."
-        )
-
-    def _eval_call(self, layer: _Layer, args: tuple, kwargs: dict):
+    def _eval_call(self, layer: GraphedLayer, args: tuple, kwargs: dict):
         graphs = self.eval_graphs
         if graphs is None:
             graphs = self.eval_graphs = EvalGraphs(self.backend, max_graphs=self.options.max_graph_sets)
@@ -353,78 +282,3 @@ class GraphManager:
         stats.eval_graphs = graphs.captures
         stats.eval_replays = graphs.replays
         return out
-
-    def _start_of_step(self, args: tuple, kwargs: dict) -> None:
-        """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""
-        if all(layer.failure is not None for layer in self.layers):
-            self._mode = StepMode.EAGER  # nothing left to capture
-            return
-        if not self.capture_due or (not self.cache.sets and not self._warmup_record):
-            self._warmup_record = StepRecord(CallSignature(args, kwargs))
-            self._mode, self._recording = StepMode.RECORD, self._warmup_record
-            return
-        if self._warmup_record is not None:
-            record, self._warmup_record = self._warmup_record, None
-            self._sets.capture(record, self.grad_ready, self._segment_ends)
-        self._mode, self._active = StepMode.REPLAY, self.cache.find(args, kwargs)
-        if self._active is not None:
-            return
-        if self.options.shape_policy != "recapture":
-            if self.cache.sets:  # mismatching calls follow the policy in _fallback
-                self._active = self.cache.sets[0]
-            else:
-                self._mode = StepMode.EAGER  # every layer failed to capture
-            return
-        pending = self.cache.pop_pending(args, kwargs)
-        if pending is not None:
-            self._active = self._sets.capture(pending, self.grad_ready, self._segment_ends)
-            if self._active is None:
-                self._mode = StepMode.EAGER
-        elif not self.cache.full:
-            self._recording = StepRecord(CallSignature(args, kwargs))
-            self.cache.pending.append(self._recording)
-            self._mode = StepMode.RECORD
-        else:
-            self._mode = StepMode.EAGER
-            if not self._cache_full_warned:
-                self._cache_full_warned = True
-                warnings.warn(
-                    f"cg_lightning: graphs.max_graph_sets={self.cache.limit} graph sets exist; steps with other "
-                    f"argument signatures (this one: {describe(CallSignature(args, kwargs))}) run eagerly. Further such steps are "
-                    "not reported.",
-                    stacklevel=4,
-                )
-
-    def _fallback(self, layer: _Layer, index: int, runner: Optional[LayerGraphRunner], args, kwargs):
-        if runner is None:
-            why = [f"call #{index} of this layer in a step was never captured (captured calls: "
-                   f"{sum(1 for k in self._active.runners if k[0] == id(layer))})"]
-        else:
-            why = runner.mismatches(args, kwargs)
-        if self.options.shape_policy == "error":
-            raise GraphSignatureError(
-                f"layer {layer.name!r} was called with arguments its graph was not captured for:\n  "
-                + "\n  ".join(why)
-                + "\nUse fixed shapes and layouts (e.g. drop_last=True, .contiguous() arguments), "
-                "graphs.shape_policy='eager' to run such calls eagerly, or 'recapture' to capture graphs for them."
-            )
-        if not layer.warned:
-            layer.warned = True
-            warnings.warn(
-                f"cg_lightning: layer {layer.name!r} runs eagerly for a call its graph was not captured for ("
-                + "; ".join(why) + "). Further such calls of this layer are not reported.",
-                stacklevel=4,
-            )
-        self.stats.fallback_calls += 1
-        return layer.forward(*args, **kwargs)
-
-    # ----------------------------------------------------------------- capture
-    def capture(self) -> None:
-        """Capture the calls recorded in the last warmup step now (normally done at the next step)."""
-        if self._warmup_record is not None:
-            record, self._warmup_record = self._warmup_record, None
-            self._sets.capture(record, self.grad_ready, self._segment_ends)
-
-
-def _detach_tree(tree):
-    return torch_compat.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)

@@ -1,11 +1,24 @@
-"""Which modules of a model get graphs."""
+"""Which modules of a model get graphs, and the record the graph manager keeps of each."""
 
 from __future__ import annotations
 
 import fnmatch
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
+
+
+@dataclass
+class GraphedLayer:
+    """One selected layer: its qualified name, the module, and its own bound ``forward`` (which the graph
+    manager's dispatch replaces until ``GraphManager.remove``)."""
+
+    name: str
+    module: nn.Module
+    forward: Callable
+    warned: bool = False  #: a call ran eagerly under shape_policy "eager" and was reported
+    failure: Optional[str] = None  #: why its capture failed (it then runs eagerly)
 
 
 def default_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:

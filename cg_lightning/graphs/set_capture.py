@@ -18,15 +18,15 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.nn as nn
 
-from .. import protocol, torch_compat
+from .. import protocol
 from . import direct_ready
 from .capture import capture_in_order
-from .graph_sets import CallRecord, GraphSet, GraphSetCache, GraphStats, StepRecord
+from .graph_sets import GraphSet, GraphSetCache, GraphStats
 from .guards import GraphCaptureError
 from .options import GraphOptions
+from .recording import CallRecord, StepRecord
 from .runner import LayerGraphRunner
-from .grad_layouts import watch_grad_layouts
-from .segments import draws, find_segments, rng_state
+from .segments import draws, find_segments
 
 
 def capture_calls(
@@ -62,29 +62,6 @@ def capture_calls(
     return [], []
 
 
-
-def run_recorded(record: CallRecord, forward: Callable, args: tuple, kwargs: dict, segments: bool,
-                 device: torch.device):
-    """Run a recorded call eagerly, ``forward(*args, **kwargs)``, and keep in ``record`` what its capture needs:
-    its gradient layouts and, with ``segments``, the version counters, hooks and random states that decide
-    where segments end."""
-    if segments:
-        if args and isinstance(args[0], torch.Tensor):
-            record.input_version = torch_compat.version(args[0])
-            record.input_hooks = tuple(torch_compat.grad_hooks(args[0]) or ())
-        record.rng_before = rng_state(device)
-    out = forward(*args, **kwargs)
-    record.grad_output_layouts = watch_grad_layouts(out)  # before output_hooks: the hook is part of them
-    if segments:
-        record.rng_after = rng_state(device)
-    if segments and isinstance(out, torch.Tensor):
-        record.output = out.detach()  # held, so no later tensor can reuse its memory before capture
-        record.output_version = torch_compat.version(out)
-        record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
-        record.output_hooks = tuple(torch_compat.grad_hooks(out) or ())
-    return out
-
-
 class SetCapture:
     """Builds the graph sets of one :class:`~.manager.GraphManager`: its runners, their shared pool, the failed
     layers (``on_capture_error="eager"``), and the capture counters of ``stats``."""
@@ -118,7 +95,7 @@ class SetCapture:
         for call, runner in zip(calls, runners):
             segment = runner.segment
             if segment is not None and segment.node_runners is not None and draws(call):
-                segment.members_draw = True  # draws between its calls must then be refused (segment_node.follow)
+                segment.members_draw = True  # draws between its calls must then be refused (segments.node.follow)
         for call in record.calls:
             call.output = call.output_node = call.rng_before = call.rng_after = None
         self.stats.capture_seconds += time.perf_counter() - start

@@ -28,10 +28,11 @@ between (the segment's graph reserves every member's draws at launch), and neith
 the second layer nor a forward hook of the first would run between them.
 
 Modules: :mod:`.chains` finds the segments in the recorded calls, :mod:`.graphs` captures their members into
-one graph per direction, :mod:`.node` replays a segment through one autograd node.
+one graph per direction, :mod:`.node` replays a segment through one autograd node, :mod:`.dispatch` routes a
+member's call at replay (launch, handed output, or eager with the rest of its pass).
 """
 
-from .chains import breaks_between, draws, find_segments, mark_outside_uses, rng_moved, rng_state
+from .chains import breaks_between, draws, find_segments, mark_outside_uses, rng_moved, rng_state, segment_ends
 from .errors import SegmentError
 from .graphs import SegmentState, members_capturing, segment_capture
 
@@ -46,4 +47,5 @@ __all__ = [
     "rng_moved",
     "rng_state",
     "segment_capture",
+    "segment_ends",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Set, Tuple
 
 import torch
 
@@ -114,6 +114,15 @@ def mark_outside_uses(loss: torch.Tensor, calls: Sequence) -> int:
             target[0].output_used_elsewhere = True
             marked += 1
     return marked
+
+
+def segment_ends(loss: torch.Tensor, calls: Sequence) -> Set[Tuple[int, int]]:
+    """Before the backward of a recorded micro-batch: :func:`mark_outside_uses` on its ``calls``, then
+    ``(id(layer), index)`` of every call after which this micro-batch shows a reason to end a segment
+    (:func:`breaks_between`). Under gradient accumulation the graph manager keeps what any recorded micro-batch
+    showed: the capture sees only the last one's calls."""
+    mark_outside_uses(loss, calls)
+    return {(id(prev.layer), prev.index) for prev, call in zip(calls, calls[1:]) if breaks_between(prev, call)}
 
 
 def _nodes_between(start, stop) -> dict:

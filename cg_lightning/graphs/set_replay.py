@@ -1,0 +1,130 @@
+"""Replaying a training step's calls from its graph set (the graph manager's ``StepMode.REPLAY``).
+
+:class:`SetReplay` is the graph manager's replay half, as :class:`~.set_capture.SetCapture` is its capture
+half. The i-th call of a layer in a step replays runner (layer, i) of the step's graph set through a
+:class:`~.replay.ReplayFunction` node; a call whose runner belongs to a segment goes through
+:mod:`.segments.dispatch`. A call for which no runner was captured, or whose arguments, autocast settings or
+submodule train/eval modes differ from its runner's, follows ``graphs.shape_policy``: ``"error"`` raises
+:class:`~.signature.GraphSignatureError`, otherwise it runs eagerly, with one warning per layer.
+
+``graphs.direct_grad_ready`` (:mod:`.direct_ready`): while the graph set has candidates to confirm, the runners
+that replay in a step are remembered; the step's first backward confirms candidates among theirs, and the
+confirmed parameters are switched to direct reports when the next step begins.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from . import direct_ready
+from .graph_sets import GraphSet, GraphStats
+from .options import GraphOptions
+from .replay import ReplayFunction
+from .segments import dispatch as segment_calls
+from .signature import GraphSignatureError
+
+
+class SetReplay:
+    """Replays calls from the graph set of the current training step.
+
+    Args:
+        options: :class:`GraphOptions` (``shape_policy`` is read at every mismatching call).
+        stats: the manager's :class:`~.graph_sets.GraphStats` (``forward_replays``, ``fallback_calls``,
+            ``direct_ready_params`` are counted here).
+        device: the training device (random-state checks of segments).
+
+    Raises:
+        GraphSignatureError: from :meth:`call` under ``shape_policy="error"``.
+        SegmentError: from :meth:`call` and :meth:`refuse_pending_member` (:mod:`.segments.dispatch`).
+    """
+
+    def __init__(self, options: GraphOptions, stats: GraphStats, device: torch.device) -> None:
+        self.options = options
+        self.stats = stats
+        self.device = device
+        #: the current step's graph set; ``None`` in a step that does not replay
+        self.graph_set: Optional[GraphSet] = None
+        #: id(runner) of the runners replayed in this step, while the set has direct-ready candidates
+        self.replayed: Set[int] = set()
+        self._direct_switch: List[Tuple[object, List[nn.Parameter]]] = []  # confirmed, applied at begin_step
+
+    def begin_step(self) -> None:
+        """A training micro-batch starts: the parameters confirmed at the last backward are reported by their
+        runners' replays from now on; no graph set is chosen yet."""
+        for runner, params in self._direct_switch:  # confirmed during the last step's backward
+            runner.report_directly(params)
+            self.stats.direct_ready_params += len(params)
+        self._direct_switch = []
+        self.replayed = set()
+        self.graph_set = None
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Before the backward of a step that replays :attr:`graph_set`: confirm direct-ready candidates
+        (:func:`.direct_ready.confirm_at_backward`)."""
+        if self.graph_set is not None:
+            self._direct_switch.extend(direct_ready.confirm_at_backward(loss, self.graph_set, self.replayed))
+
+    def call(self, layer, index: int, args: tuple, kwargs: dict):
+        """Call ``index`` of ``layer`` (a :class:`~.selection.GraphedLayer`) in this step: its runner's replay
+        (a segment's first call launches the segment, a following member takes its output), or
+        ``shape_policy``."""
+        runner = self.graph_set.runners.get((id(layer), index))
+        follows = runner is not None and runner.segment is not None and not runner.segment_launcher
+        if follows:
+            out = segment_calls.follow(self, layer, runner, args, kwargs)
+            if out is not segment_calls.NOT_HANDED:
+                return out
+        if runner is None or not runner.signature.matches(args, kwargs) or not runner.settings_match():
+            if follows:
+                segment_calls.refuse_other_arguments(layer, runner, args, kwargs)
+            return self._fallback(layer, index, runner, args, kwargs)
+        tensors = runner.signature.tensor_leaves(args, kwargs)
+        segment = runner.segment
+        if segment is not None and segment.node_runners is not None:
+            return segment_calls.launch(self, segment, tensors)
+        flat = ReplayFunction.apply(runner, *tensors, *runner.apply_edges)
+        self.count_replay(runner)
+        return runner.output_structure(flat)
+
+    def count_replay(self, runner) -> None:
+        """Count one forward replay; remember ``runner`` while the set has direct-ready candidates."""
+        self.stats.forward_replays += 1
+        if self.graph_set.direct_pending:
+            self.replayed.add(id(runner))
+
+    def eager(self, layer, args: tuple, kwargs: dict):
+        """Run the call eagerly, counted as a fallback."""
+        self.stats.fallback_calls += 1
+        return layer.forward(*args, **kwargs)
+
+    def refuse_pending_member(self, layer, index: int) -> None:
+        """Raise if call ``index`` of ``layer``, made in eval mode or without autograd, is a following member of
+        a segment that already ran it for this pass (:func:`.segments.dispatch.refuse_pending_member`)."""
+        if self.graph_set is not None:
+            segment_calls.refuse_pending_member(layer, self.graph_set.runners.get((id(layer), index)))
+
+    def _fallback(self, layer, index: int, runner, args: tuple, kwargs: dict):
+        if runner is None:
+            why = [f"call #{index} of this layer in a step was never captured (captured calls: "
+                   f"{sum(1 for k in self.graph_set.runners if k[0] == id(layer))})"]
+        else:
+            why = runner.mismatches(args, kwargs)
+        if self.options.shape_policy == "error":
+            raise GraphSignatureError(
+                f"layer {layer.name!r} was called with arguments its graph was not captured for:\n  "
+                + "\n  ".join(why)
+                + "\nUse fixed shapes and layouts (e.g. drop_last=True, .contiguous() arguments), "
+                "graphs.shape_policy='eager' to run such calls eagerly, or 'recapture' to capture graphs for them."
+            )
+        if not layer.warned:
+            layer.warned = True
+            warnings.warn(
+                f"cg_lightning: layer {layer.name!r} runs eagerly for a call its graph was not captured for ("
+                + "; ".join(why) + "). Further such calls of this layer are not reported.",
+                stacklevel=4,
+            )
+        return self.eager(layer, args, kwargs)
