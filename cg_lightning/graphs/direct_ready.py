@@ -85,7 +85,8 @@ def confirmed(loss: torch.Tensor, pending: Dict[int, object]) -> Dict[object, Li
     return out
 
 
-def confirm_at_backward(loss: torch.Tensor, graph_set, replayed: Set[int]) -> List[Tuple[object, List[torch.nn.Parameter]]]:
+def confirm_at_backward(loss: torch.Tensor, graph_set,
+                        replayed: Set[int]) -> List[Tuple[object, List[torch.nn.Parameter]]]:
     """At the first backward of a step that replayed ``graph_set`` (a :class:`~.graph_sets.GraphSet`): decide the
     pending candidates of the runners that replayed in the step (``replayed``: their ids), one way or the other.
     Returns ``(runner, confirmed parameters)`` pairs for ``runner.report_directly`` at the next step's start;

@@ -1,12 +1,13 @@
 """Capturing the recorded calls of one step as a graph set, dropping layers whose capture fails.
 
-:class:`SetCapture` is the graph manager's capture half: it owns the memory pool the graph sets share, builds
-one :class:`LayerGraphRunner` per recorded call, captures them (:func:`capture_calls`) and adds the resulting
-:class:`~.graph_sets.GraphSet` to the cache. All calls are captured together by :func:`~.capture.capture_in_order` (forwards in order, backwards in
-reverse, one pool). When one runner raises :class:`GraphCaptureError` and the policy is ``"eager"``, its
-layer is reported through ``on_failed`` and every remaining call is captured again from scratch: the
-failed attempt's runners are dropped and ``capture_in_order`` has restored the training state, so nothing
-of it survives. With ``"raise"`` the error propagates, naming the layer.
+:class:`SetCapture` is the graph manager's capture half (:class:`~.set_replay.SetReplay` its replay half): it
+owns the memory pool the graph sets share, builds one :class:`LayerGraphRunner` per recorded call, captures them
+(:func:`capture_calls`) and adds the resulting :class:`~.graph_sets.GraphSet` to the cache. All calls are captured
+together by :func:`~.capture.capture_in_order` (forwards in order, backwards in reverse, one pool). When one
+runner raises :class:`GraphCaptureError` and the policy is ``"eager"``, its layer is reported through
+``on_failed`` and every remaining call is captured again from scratch: the failed attempt's runners are dropped
+and ``capture_in_order`` has restored the training state, so nothing of it survives. With ``"raise"`` the error
+propagates, naming the layer.
 """
 
 from __future__ import annotations

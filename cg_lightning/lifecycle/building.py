@@ -1,0 +1,90 @@
+"""Building the pieces of a training lifecycle: graphs on the model's layers, the data-parallel engine around it,
+and a :class:`~.driver.TrainingDriver` over both. One function per feature, applied to the model in turn."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Type
+
+import torch
+import torch.nn as nn
+
+from ..ddp import DataParallelEngine, DDPOptions
+from ..graphs import GraphManager, GraphOptions
+from .driver import TrainingDriver
+
+
+def apply_graphs(
+    model: nn.Module,
+    options: GraphOptions,
+    device: torch.device,
+    *,
+    accumulate_into_main_grad: bool = True,
+) -> Optional[GraphManager]:
+    """Install a :class:`~cg_lightning.graphs.GraphManager` on ``model``'s selected layers.
+
+    Args:
+        model: the module whose layers (``options.layers``) get graphed; their ``forward`` is replaced until
+            the manager's ``remove``.
+        options: :class:`~cg_lightning.graphs.GraphOptions`.
+        device: the training device (picks the backend for ``backend="auto"``).
+        accumulate_into_main_grad: captured backwards add weight gradients into ``param.main_grad`` (the
+            data-parallel engine's buffer); ``False`` for eval-only graphs without an engine.
+
+    Returns:
+        the manager, or ``None`` when ``options.enabled`` is false.
+
+    Raises:
+        ValueError: from ``GraphManager`` when ``options.layers`` matches no module.
+    """
+    if not options.enabled:
+        return None
+    return GraphManager(model, options, device, accumulate_into_main_grad=accumulate_into_main_grad)
+
+
+def capture_stream(graph_manager: Optional[GraphManager]) -> Optional["torch.cuda.Stream"]:
+    """The stream the manager captures on (CUDA backend), or ``None``. The engine creates the parameters'
+    gradient accumulators on it: a captured backward that feeds an accumulator bound to another stream fails."""
+    if graph_manager is None:
+        return None
+    return getattr(graph_manager.backend, "stream", None)
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    options: Optional[DDPOptions] = None,
+    *,
+    graph_manager: Optional[GraphManager] = None,
+    process_group: Any = None,
+    engine_type: Type[DataParallelEngine] = DataParallelEngine,
+) -> DataParallelEngine:
+    """Wrap ``model`` in a :class:`~cg_lightning.ddp.DataParallelEngine`.
+
+    Args:
+        model: the module, already on its device (and with ``graph_manager`` installed, if any).
+        options: :class:`~cg_lightning.ddp.DDPOptions` (``None``: the defaults).
+        graph_manager: the manager from :func:`apply_graphs`, whose capture stream the engine's gradient
+            accumulators must be bound to.
+        process_group: the group to reduce over (default: the world, when initialized).
+        engine_type: :class:`~cg_lightning.ddp.DataParallelEngine` or a subclass taking its arguments.
+
+    Returns:
+        the engine (call it as the model).
+    """
+    return engine_type(model, options, process_group=process_group,
+                       grad_accumulator_stream=capture_stream(graph_manager))
+
+
+def build_driver(
+    model: nn.Module,
+    graphs: GraphOptions,
+    ddp: Optional[DDPOptions],
+    device: torch.device,
+    *,
+    process_group: Any = None,
+    engine_type: Type[DataParallelEngine] = DataParallelEngine,
+) -> TrainingDriver:
+    """:func:`apply_graphs`, then :func:`apply_data_parallel`, then a :class:`TrainingDriver` over both."""
+    manager = apply_graphs(model, graphs, device)
+    engine = apply_data_parallel(model, ddp, graph_manager=manager, process_group=process_group,
+                                 engine_type=engine_type)
+    return TrainingDriver(graphs, manager, engine)

@@ -1,0 +1,109 @@
+"""What runs as ``optimizer.step()`` inside :meth:`TrainingDriver.stepping <.driver.TrainingDriver.stepping>`.
+
+Per optimizer, chosen where it applies, in this order: the captured step graph (``graphs.capture_optimizer``,
+once the layers replay: one eager step prepared for capture, then the capture, then replays; refused with a
+reason, e.g. a ``ddp.grad_dtype`` other than the parameters'), the cached fused Adam step
+(``graphs.cached_optimizer_step``), else the optimizer's own ``step``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from ..ddp import DataParallelEngine
+from ..graphs import GraphManager, GraphOptions
+from ..optim.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
+from ..optim.step_graph import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
+from ..optim.step_graph import OptimizerStepGraph, optimizer_refusal
+from ..protocol import main_grad
+
+
+class OptimizerSteps:
+    """The step graphs and cached fused steps of the optimizers a driver has stepped.
+
+    Args:
+        graph_options: read at every step (``capture_optimizer``, ``cached_optimizer_step``).
+        graph_manager: the layers' manager; ``None``: every optimizer takes its own step.
+        engine: the data-parallel engine (its parameters' ``main_grad`` dtype), or ``None``.
+    """
+
+    def __init__(self, graph_options: GraphOptions, graph_manager: Optional[GraphManager],
+                 engine: Optional[DataParallelEngine]) -> None:
+        self.graph_options = graph_options
+        self.graph_manager = graph_manager
+        self.engine = engine
+        self._graphs: Dict[int, OptimizerStepGraph] = {}  # id(optimizer) -> its step graph
+        self._cached: Dict[int, Optional[CachedFusedAdamStep]] = {}  # id(optimizer) -> cached fused step
+
+    def step_for(self, optimizer: torch.optim.Optimizer, refusal: Optional[str]) -> Optional[Callable]:
+        """The callable to run as ``optimizer.step`` now, or ``None``: its own ``step``. ``refusal``: the
+        front-end's reason why the step must not be captured, or ``None`` (read when the optimizer is first
+        seen after capture)."""
+        graph = self._graph(optimizer, refusal)
+        cached = self._cached_step(optimizer)
+        if graph is not None and graph.phase in OPTIMIZER_GRAPH_ACTIVE:
+            return graph.step
+        if cached is not None and (graph is None or graph.phase == "eager"):
+            return cached.step
+        return None
+
+    @property
+    def cached_steps(self) -> int:
+        """Optimizer steps taken on cached tensor lists so far (``graphs.cached_optimizer_step``)."""
+        return sum(c.cached_steps for c in self._cached.values() if c is not None)
+
+    @property
+    def replays(self) -> int:
+        """Optimizer steps replayed from a graph so far (``graphs.capture_optimizer``)."""
+        return sum(graph.replays for graph in self._graphs.values())
+
+    def state_view(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> Dict[str, Any]:
+        """``optimizer.state_dict()`` output ``state`` with ``capturable`` as the user set it."""
+        graph = self._graphs.get(id(optimizer))
+        return graph.state_dict_view(state) if graph is not None else state
+
+    def close(self) -> None:
+        """Give the optimizers back the ``capturable`` setting the user gave them; forget every step (the
+        counters restart at 0) and take only the optimizers' own steps from now on."""
+        self._cached = {}
+        for graph in self._graphs.values():
+            if graph.phase in OPTIMIZER_GRAPH_ACTIVE:
+                graph.restore()
+        self._graphs = {}
+        self.graph_manager = self.engine = None
+
+    def _graph(self, optimizer: torch.optim.Optimizer, refusal: Optional[str]) -> Optional[OptimizerStepGraph]:
+        """The optimizer's step graph once the layers replay and ``graphs.capture_optimizer`` is on; its groups
+        are prepared here, before the one eager step that precedes capture."""
+        manager = self.graph_manager
+        if manager is None or not self.graph_options.capture_optimizer:
+            return None
+        graph = self._graphs.get(id(optimizer))
+        if graph is None:
+            if not manager.captured:
+                return None
+            graph = OptimizerStepGraph(optimizer, manager.backend)
+            self._graphs[id(optimizer)] = graph
+            reason = optimizer_refusal(optimizer, manager.backend.name) or refusal
+            if reason is None and self.engine is not None and any(
+                main_grad(p).dtype != p.dtype for p in self.engine.params
+            ):
+                reason = ("ddp.grad_dtype differs from the parameters' dtype, so the optimizer gets a new cast copy "
+                          "of main_grad every step; leave ddp.grad_dtype unset to capture the step")
+            if reason is not None:
+                graph.give_up(reason)
+            else:
+                graph.prepare()
+        return graph
+
+    def _cached_step(self, optimizer: torch.optim.Optimizer) -> Optional[CachedFusedAdamStep]:
+        """The cached fused Adam/AdamW step for ``optimizer``, or ``None`` where it does not apply (option off,
+        graphs off, another optimizer)."""
+        if self.graph_manager is None or not self.graph_options.cached_optimizer_step:
+            return None
+        key = id(optimizer)
+        if key not in self._cached:
+            self._cached[key] = None if fused_adam_refusal(optimizer) else CachedFusedAdamStep(optimizer)
+        return self._cached[key]
