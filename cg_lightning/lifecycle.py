@@ -57,6 +57,7 @@ The events and what they guarantee:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Tuple, Type
 
@@ -65,6 +66,7 @@ import torch.nn as nn
 
 from .ddp import DataParallelEngine, DDPOptions
 from .graphs import GraphManager, GraphOptions, GraphStats
+from .graphs.selection import default_layers, no_default_layers_message
 from .optim.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
 from .optim.step_graph import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
 from .optim.step_graph import OptimizerStepGraph, optimizer_refusal, step_replaced
@@ -99,12 +101,17 @@ def apply_graphs(
             data-parallel engine's buffer); ``False`` for eval-only graphs without an engine.
 
     Returns:
-        the manager, or ``None`` when ``options.enabled`` is false.
+        the manager, or ``None`` when ``options.enabled`` is false or when ``options.layers`` is unset and the
+        model has no repeated layers to graph (:func:`~cg_lightning.graphs.selection.default_layers`; a
+        warning then says how to choose layers).
 
     Raises:
-        ValueError: from ``GraphManager`` when ``options.layers`` matches no module.
+        ValueError: from ``GraphManager`` when ``options.layers`` is set and matches no module.
     """
     if not options.enabled:
+        return None
+    if options.layers is None and not default_layers(model):
+        warnings.warn(no_default_layers_message(model), UserWarning, stacklevel=2)
         return None
     return GraphManager(model, options, device, accumulate_into_main_grad=accumulate_into_main_grad)
 
