@@ -35,6 +35,7 @@ from .grad_ready import GradReady
 from .options import DDPOptions
 
 _DATA_PTR = torch.Tensor.data_ptr
+_GRAD = operator.attrgetter("grad")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -419,6 +420,9 @@ class DataParallelEngine(nn.Module):
         in place and the engine's hook would add the same gradient again.
         """
         if not self.grads_exposed:
+            return
+        if all(map(operator.is_, map(_GRAD, self.params), repeat(None))):  # zero_grad(set_to_none=True)
+            self.zero_grad_buffer()  # one fill a buffer instead of one a parameter
             return
         self._reattach_main_grads(keep_values=True)
         with torch.no_grad():
