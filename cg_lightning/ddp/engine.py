@@ -33,6 +33,7 @@ from .bucket import Bucket
 from .errors import GradSyncError
 from .grad_ready import GradReady
 from .options import DDPOptions
+from .unused import UnusedParameters
 
 _DATA_PTR = torch.Tensor.data_ptr
 _GRAD = operator.attrgetter("grad")
@@ -106,6 +107,13 @@ class DataParallelEngine(nn.Module):
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         self.bucket_of: Dict[nn.Parameter, Bucket] = {p: b for b in self.buckets for p in b.params}
+        #: ``ddp.find_unused_parameters``: a parameter may get no gradient in a backward (:mod:`.unused`)
+        self.unused: Optional[UnusedParameters] = None
+        if self.options.find_unused_parameters:
+            for b in self.buckets:
+                b.allow_absent()
+            self.unused = UnusedParameters(self.params, [(self.bucket_of[p], self.bucket_of[p].slot_of[p])
+                                                         for p in self.params])
         #: the grad-ready reporter (:mod:`cg_lightning.protocol`): hand it to a graph manager with
         #: ``GraphManager.bind_grad_ready`` before capture
         self.grad_ready = GradReady(self)
@@ -263,6 +271,9 @@ class DataParallelEngine(nn.Module):
                 differ, or another rank did not reach this point within ``timeout_s``.
         """
         self._refuse_unfrozen()
+        if self.unused is not None and self.golden_known:
+            for b in self.buckets:
+                b.settle_absent()
         missing = [(p, b) for b in self.buckets for p in b.missing()]
         self._agree(missing)
         if not self.golden_known:
@@ -270,10 +281,13 @@ class DataParallelEngine(nn.Module):
                 b.set_golden()
             self.golden_known = True
             self._check_golden_across_ranks()
-            self.dispatch_ready_prefix()
+        self.dispatch_ready_prefix()  # what the backward did not (first iteration, absent parameters)
         for b in self.buckets:
             b.wait()
             b.reset()
+        if self.unused is not None:
+            self.unused.window_synchronized(self.group, self.world_size if self.distributed else 1,
+                                            self.buffers_[0].data.device if self.buffers_ else torch.device("cpu"))
         self._next_dispatch = 0
         self.iteration += 1
         self.last_dispatch_order = self.dispatch_log
@@ -359,12 +373,14 @@ class DataParallelEngine(nn.Module):
         mine = [g for b in self.buckets for g in b.slot_golden]
         reports: List[Optional[List[int]]] = [None] * self.world_size
         dist.all_gather_object(reports, mine, group=self._control_group)
-        if any(r != mine for r in reports):
+        # find_unused: a parameter absent on a rank (0) agrees with any count
+        seen = [{rep[i] for rep in reports} - ({0} if self.unused is not None else set()) for i in range(len(mine))]
+        if any(len(s) > 1 for s in seen):
             names = [self.names.get(p, "?") for b in self.buckets for p in b.params]
             diffs = [
                 f"{n}: " + ", ".join(f"rank {r}={rep[i]}" for r, rep in enumerate(reports))
                 for i, n in enumerate(names)
-                if len({rep[i] for rep in reports}) > 1
+                if len(seen[i]) > 1
             ]
             raise GradSyncError(
                 "ranks disagree on how many times parameters report ready per iteration (golden counts): "
@@ -389,6 +405,11 @@ class DataParallelEngine(nn.Module):
 
         Every step; while every ``main_grad`` is still the view the engine made and has its parameter's dtype
         (the usual case), in C-level ``map`` calls rather than a Python loop over the parameters."""
+        self._point_grads_at_main()
+        if self.unused is not None:
+            self.unused.hide_unused_grads()
+
+    def _point_grads_at_main(self) -> None:
         params, mains = self.params, self._main_grads
         self.grads_exposed = True
         if self._main_grads_same_dtype and all(map(operator.is_, map(protocol.MAIN_GRAD, params), mains)):
@@ -425,6 +446,8 @@ class DataParallelEngine(nn.Module):
             self.zero_grad_buffer()  # one fill a buffer instead of one a parameter
             return
         self._reattach_main_grads(keep_values=True)
+        if self.unused is not None:
+            self.unused.window_starts()
         with torch.no_grad():
             for p in self.params:
                 g = p.grad
@@ -445,6 +468,8 @@ class DataParallelEngine(nn.Module):
             p.grad = None
             protocol.set_grad_added(p, False)
         self.grads_exposed = False
+        if self.unused is not None:
+            self.unused.window_starts(all_none=True)
 
     def _reattach_main_grads(self, keep_values: bool) -> None:
         """Point every ``main_grad`` back into the gradient buffer if its storage was swapped (``param.grad.data =
