@@ -16,7 +16,9 @@ Lightning hook                            driver event
 ``backward``, around the precision        ``before_backward(loss)`` after ``on_before_backward``;
 plugin's ``backward``                     ``after_backward()`` before ``on_after_backward``
 ``optimizer_step``                        ``stepping(optimizer)`` around Lightning's step, then
-                                          ``after_optimizer_step()`` (zeroes ``main_grad``)
+                                          ``after_optimizer_step(zero_grad=False)``: the
+                                          gradients stay in ``param.grad`` for the hooks until
+                                          Lightning's ``zero_grad``, as under ``"ddp"``
 ``teardown``                              ``close()``
 ========================================  =====================================================================
 
@@ -244,8 +246,10 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """Lightning's step (closure: forward, backward, clipping; then ``optimizer.step``) inside the driver's
-        ``stepping`` (the captured or cached optimizer step, where it applies), then ``after_optimizer_step``
-        (``main_grad`` zeroed)."""
+        ``stepping`` (the captured or cached optimizer step, where it applies), then ``after_optimizer_step``.
+        The gradients stay in ``param.grad`` (aliasing ``main_grad``) for ``on_train_batch_end`` and
+        ``on_before_zero_grad``, as under ``"ddp"``; Lightning's ``zero_grad`` before the next backward sets
+        them to ``None`` and the driver's ``before_backward`` zeroes ``main_grad`` to match."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         driver = self.driver
@@ -256,7 +260,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
                    if scaler is not None else None)
         with driver.stepping(optimizer, refusal):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        driver.after_optimizer_step()
+        driver.after_optimizer_step(zero_grad=False)
         return out
 
     @property

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cg_lightning
+from lightning.pytorch import Callback, Trainer, seed_everything
 from tests.helpers import max_rel_diff, state_rel_diff, train_in_process, train_subprocess
 
 
@@ -295,3 +296,54 @@ def test_backward_is_lightnings_with_the_driver_around_autograd():
               ("on_after_backward", True)]
     assert order.events == window * 3
     assert "backward" not in trainer.precision_plugin.__dict__
+
+
+class _GradsSeen(Callback):
+    """Every parameter's ``.grad`` (a copy, or ``None``) in each hook that can read gradients, in call order."""
+
+    def __init__(self):
+        self.seen = []
+
+    def _record(self, hook, module):
+        self.seen.append((hook, [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()]))
+
+    def on_before_backward(self, trainer, module, loss):
+        self._record("on_before_backward", module)
+
+    def on_after_backward(self, trainer, module):
+        self._record("on_after_backward", module)
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self._record("on_before_optimizer_step", module)
+
+    def on_before_zero_grad(self, trainer, module, optimizer):
+        self._record("on_before_zero_grad", module)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self._record("on_train_batch_end", module)
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_hooks_see_the_gradients_ddp_shows(accumulate):
+    """In every hook that can read gradients, ``param.grad`` under "cudagraph_ddp" is what it is under "ddp",
+    bit for bit (``None`` where "ddp" has ``None``): the step's gradient stays visible in ``on_train_batch_end``
+    and ``on_before_zero_grad`` until Lightning's ``zero_grad``; with accumulation, the sum so far."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.test_selection import SequentialModule
+
+    def fit(strategy):
+        seed_everything(3)
+        model, seen = SequentialModule(), _GradsSeen()
+        data = DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=4)
+        Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=6, accumulate_grad_batches=accumulate,
+                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                callbacks=[seen]).fit(model, data)
+        return seen.seen
+
+    ref, got = fit("ddp"), fit("cudagraph_ddp")
+    assert [hook for hook, _ in got] == [hook for hook, _ in ref]
+    for i, ((hook, want), (_, have)) in enumerate(zip(ref, got)):
+        for j, (w, h) in enumerate(zip(want, have)):
+            assert (w is None) == (h is None), (i, hook, j)
+            assert w is None or torch.equal(w, h), (i, hook, j)

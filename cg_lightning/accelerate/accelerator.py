@@ -50,8 +50,8 @@ class CUDAGraphAccelerator(Accelerator):
 
     Args:
         graphs: :class:`~cg_lightning.graphs.GraphOptions` or a dict of its fields: which layers (glob
-            patterns over the prepared model's module names; ``None`` = the largest same-class
-            ``ModuleList``), ``warmup_steps`` (eager optimizer steps before capture), ``backend``
+            patterns over the prepared model's module names; ``None`` = the repeated blocks of every
+            ``ModuleList``/``Sequential``, or no graphs with a warning when there are none), ``warmup_steps`` (eager optimizer steps before capture), ``backend``
             (``"cuda"`` on GPUs, ``"eager"`` on CPUs, ``"auto"``), ``shape_policy``.
         ddp: :class:`~cg_lightning.ddp.DDPOptions` or a dict: ``bucket_size_mb`` (MiB), ``average``,
             ``grad_dtype``, ``timeout_s`` (seconds), ``check_grad_ready``.
@@ -132,8 +132,8 @@ class CUDAGraphAccelerator(Accelerator):
             a model without trainable parameters or one prepared before).
 
         Raises:
-            ValueError: see the class docstring; from ``GraphManager`` if ``graphs.layers`` matches no
-                module, or is unset and the model has no ``nn.ModuleList`` of same-class layers.
+            ValueError: see the class docstring; from ``GraphManager`` if ``graphs.layers`` is set and
+                matches no module.
         """
         if evaluation_mode or getattr(model, "_is_accelerate_prepared", False):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)

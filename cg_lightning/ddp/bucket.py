@@ -16,10 +16,18 @@ class Bucket:
     call). ``counts``, ``golden`` and ``last_counts`` give the same numbers by parameter, built on access.
     Once the golden counts (those of the first iteration) are known, the bucket is ready when every
     parameter's count equals its golden count.
+
+    With ``absent_ok`` (``DDPOptions.find_unused_parameters``) a parameter may get no gradient in an iteration:
+    a golden count of 0 means "not seen yet" and is learned from the first iteration that reports it; a bucket
+    with an absent parameter completes only in :meth:`settle_absent`, after the backward, where the absent
+    parameters count as ready with a zero contribution (torch DDP's ``find_unused_parameters=True``).
+    ``slot_used`` records which parameters reported since the last :meth:`clear_used`, with or without sync.
     """
 
     def __init__(self, index: int, params: List[torch.nn.Parameter], data: torch.Tensor) -> None:
         self.index = index
+        self.absent_ok = False
+        self.slot_used: Optional[List[bool]] = None
         self.params = params
         self.data = data
         self.slot_of: Dict[torch.nn.Parameter, int] = {p: i for i, p in enumerate(params)}  # setup-time lookups
@@ -58,7 +66,7 @@ class Bucket:
             if count == expected:
                 self.pending -= 1
                 return self.pending == 0
-            if count > expected:
+            if count > expected and (expected or not self.absent_ok):  # absent_ok: 0 is "not seen yet"
                 self.overshoot = True
         return False
 
@@ -79,7 +87,7 @@ class Bucket:
             if count == expected:
                 self.pending -= 1
                 became = self.pending == 0
-            elif count > expected:
+            elif count > expected and (expected or not self.absent_ok):
                 self.overshoot = True
         return became
 
@@ -93,8 +101,40 @@ class Bucket:
         self.slot_golden = list(self.slot_counts)
         self.pending = 0
 
+    def allow_absent(self) -> None:
+        """Switch on ``absent_ok`` (before the first iteration)."""
+        self.absent_ok = True
+        self.slot_used = [False] * len(self.params)
+
+    def settle_absent(self) -> None:
+        """``absent_ok``, after the backward: learn the golden count of parameters reporting for the first time;
+        parameters with no report count as ready (their ``main_grad`` gets nothing from this iteration). The
+        bucket is then complete unless a parameter reported a number of times other than its golden count."""
+        golden, counts = self.slot_golden, self.slot_counts
+        pending, overshoot = 0, False
+        for slot, count in enumerate(counts):
+            if count == 0:
+                continue
+            if golden[slot] == 0:
+                golden[slot] = count
+            elif count < golden[slot]:
+                pending += 1
+            elif count > golden[slot]:
+                overshoot = True
+        self.pending, self.overshoot = pending, overshoot
+
+    def clear_used(self) -> None:
+        """Start a new window of :attr:`slot_used` (after a synchronized backward)."""
+        if self.slot_used is not None:
+            self.slot_used = [False] * len(self.params)
+
     def missing(self) -> List[torch.nn.Parameter]:
-        """Parameters whose count differs from the golden count (all zero-count ones before golden)."""
+        """Parameters whose count differs from the golden count (all zero-count ones before golden). With
+        ``absent_ok``, after :meth:`settle_absent`: those with a count that is neither 0 nor the golden one."""
+        if self.absent_ok:
+            if self.slot_golden is None or (self.pending == 0 and not self.overshoot):
+                return []
+            return [p for p, c, g in zip(self.params, self.slot_counts, self.slot_golden) if c and c != g]
         if self.slot_golden is None:
             return [p for p, c in zip(self.params, self.slot_counts) if c == 0]
         if self.pending == 0 and not self.overshoot:  # the usual case: no per-parameter scan

@@ -36,8 +36,10 @@ from .hooks import GradHooks
 from .options import DDPOptions
 from .ready_check import ReadyCheck
 from .reducer import BucketReducer
+from .unused import UnusedParameters
 
 _DATA_PTR = torch.Tensor.data_ptr
+_GRAD = operator.attrgetter("grad")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,6 +98,13 @@ class DataParallelEngine(nn.Module):
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         self.bucket_of: Dict[nn.Parameter, Bucket] = {p: b for b in self.buckets for p in b.params}
+        #: ``ddp.find_unused_parameters``: a parameter may get no gradient in a backward (:mod:`.unused`)
+        self.unused: Optional[UnusedParameters] = None
+        if self.options.find_unused_parameters:
+            for b in self.buckets:
+                b.allow_absent()
+            self.unused = UnusedParameters(self.params, [(self.bucket_of[p], self.bucket_of[p].slot_of[p])
+                                                         for p in self.params])
         #: the grad-ready reporter (:mod:`cg_lightning.protocol`): hand it to a graph manager with
         #: ``GraphManager.bind_grad_ready`` before capture
         self.grad_ready = GradReady(self)
@@ -195,14 +204,20 @@ class DataParallelEngine(nn.Module):
                 differ, or another rank did not reach this point within ``timeout_s``.
         """
         self._check.refuse_unfrozen()
+        if self.unused is not None and self.golden_known:
+            for b in self.buckets:
+                b.settle_absent()
         self._check.agree([(p, b) for b in self.buckets for p in b.missing()], self.iteration)
         if not self.golden_known:
             for b in self.buckets:
                 b.set_golden()
             self.golden_known = True
             self._check.check_golden_across_ranks(self.buckets)
-            self.reducer.dispatch_ready_prefix()
+        self.reducer.dispatch_ready_prefix()  # what the backward did not (first iteration, absent parameters)
         self.reducer.finish()
+        if self.unused is not None:
+            self.unused.window_synchronized(self.group, self.world_size if self.distributed else 1,
+                                            self.buffers_[0].data.device if self.buffers_ else torch.device("cpu"))
         self.iteration += 1
 
     def close(self) -> None:
@@ -216,7 +231,14 @@ class DataParallelEngine(nn.Module):
         """Point ``param.grad`` at ``main_grad`` (a cast copy if dtypes differ) for optimizers and clipping.
 
         Every step; while every ``main_grad`` is still the view the engine made and has its parameter's dtype
-        (the usual case), in C-level ``map`` calls rather than a Python loop over the parameters."""
+        (the usual case), in C-level ``map`` calls rather than a Python loop over the parameters. With
+        ``ddp.find_unused_parameters``, parameters without a gradient in this window keep ``None``
+        (:mod:`.unused`)."""
+        self._point_grads_at_main()
+        if self.unused is not None:
+            self.unused.hide_unused_grads()
+
+    def _point_grads_at_main(self) -> None:
         params, mains = self.params, self._main_grads
         self.grads_exposed = True
         if self._main_grads_same_dtype and all(map(operator.is_, map(protocol.MAIN_GRAD, params), mains)):
@@ -249,7 +271,12 @@ class DataParallelEngine(nn.Module):
         """
         if not self.grads_exposed:
             return
+        if all(map(operator.is_, map(_GRAD, self.params), repeat(None))):  # zero_grad(set_to_none=True)
+            self.zero_grad_buffer()  # one fill a buffer instead of one a parameter
+            return
         self._reattach_main_grads(keep_values=True)
+        if self.unused is not None:
+            self.unused.window_starts()
         with torch.no_grad():
             for p in self.params:
                 g = p.grad
@@ -270,6 +297,8 @@ class DataParallelEngine(nn.Module):
             p.grad = None
             protocol.set_grad_added(p, False)
         self.grads_exposed = False
+        if self.unused is not None:
+            self.unused.window_starts(all_none=True)
 
     def _reattach_main_grads(self, keep_values: bool) -> None:
         """Point every ``main_grad`` back into the gradient buffer if its storage was swapped (``param.grad.data =

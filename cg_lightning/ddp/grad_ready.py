@@ -33,6 +33,9 @@ class Notifier:
         observer = engine.ready_observer
         if observer is not None:
             observer(self.param)
+        used = self.bucket.slot_used
+        if used is not None:  # ddp.find_unused_parameters
+            used[self.slot] = True
         if engine.sync_enabled and self.bucket.register_ready(self.slot):
             engine.dispatch_ready_prefix()
 
@@ -84,6 +87,11 @@ class GradReady:
                 for n in notifiers:
                     n()
                 return
+            for bucket, slots in plan:
+                used = bucket.slot_used
+                if used is not None:
+                    for slot in slots:
+                        used[slot] = True
             if not engine.sync_enabled:
                 return
             complete = False

@@ -36,6 +36,9 @@ class DDPOptions:
     broadcast_buffers: bool = True
     """Copy module buffers (BatchNorm statistics) from rank 0 before a training forward, as torch DDP does."""
 
+    find_unused_parameters: bool = False
+    """Allow parameters without a gradient in a backward (ready with zero contribution), as torch DDP's option."""
+
     def __post_init__(self) -> None:
         if self.bucket_size_mb <= 0:
             raise ValueError(f"ddp.bucket_size_mb must be > 0, got {self.bucket_size_mb}")

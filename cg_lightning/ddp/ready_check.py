@@ -118,12 +118,15 @@ class ReadyCheck:
         mine = [g for b in buckets for g in b.slot_golden]
         reports: List[Optional[List[int]]] = [None] * self.world_size
         dist.all_gather_object(reports, mine, group=self.control_group)
-        if any(r != mine for r in reports):
+        # ddp.find_unused_parameters: a parameter absent on a rank (0) agrees with any count
+        absent = {0} if self.options.find_unused_parameters else set()
+        seen = [{rep[i] for rep in reports} - absent for i in range(len(mine))]
+        if any(len(s) > 1 for s in seen):
             names = [self.names.get(p, "?") for b in buckets for p in b.params]
             diffs = [
                 f"{n}: " + ", ".join(f"rank {r}={rep[i]}" for r, rep in enumerate(reports))
                 for i, n in enumerate(names)
-                if len({rep[i] for rep in reports}) > 1
+                if len(seen[i]) > 1
             ]
             raise GradSyncError(
                 "ranks disagree on how many times parameters report ready per iteration (golden counts): "

@@ -25,7 +25,7 @@ class GraphOptions:
     """Capture and replay graphs at all; ``False`` trains eagerly through the same DDP engine."""
 
     layers: Optional[List[str]] = None
-    """Glob patterns over module names, outermost match wins; ``None``: the largest same-class ``ModuleList``."""
+    """Glob patterns over module names, outermost match wins; ``None``: every ``ModuleList``/``Sequential``'s repeated blocks."""
 
     warmup_steps: int = 2
     """Eager optimizer steps before capture (at least one is taken; a resumed run warms up again)."""

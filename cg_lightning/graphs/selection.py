@@ -1,12 +1,28 @@
-"""Which modules of a model get graphs, and the record the graph manager keeps of each."""
+"""Which modules of a model get graphs, and the record the graph manager keeps of each.
+
+By default, the repeated blocks: in every ``nn.ModuleList`` and ``nn.Sequential``, the entries with trainable
+parameters of the class that occurs most often there, at least twice (a transformer's blocks, a ResNet stage's
+blocks, not the stem and head around them), outermost first, so that a block's own inner stacks are not
+chosen a second time. A model with no such stack (one ``nn.Linear``, a hand-written MLP) gets no graphs:
+:func:`default_layers` returns nothing and the front-ends train it eagerly under the data-parallel engine, with
+a warning that names ``graphs.layers``.
+"""
 
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
+
+NO_DEFAULT_LAYERS = (
+    "cg_lightning: {model} has no repeated layers to graph by default (no nn.ModuleList or nn.Sequential "
+    "holds two or more modules of one class with trainable parameters), so it trains without graphs, under "
+    "the exact data-parallel engine. To graph chosen modules, set graphs.layers to glob patterns over module "
+    "names, e.g. graphs={{'layers': [{example}]}}; some names: {names}"
+)
 
 
 @dataclass
@@ -21,15 +37,39 @@ class GraphedLayer:
     failure: Optional[str] = None  #: why its capture failed (it then runs eagerly)
 
 
+def _stack_blocks(container: nn.Module) -> List[Tuple[str, nn.Module]]:
+    entries = [(key, m) for key, m in container.named_children()
+               if any(p.requires_grad for p in m.parameters())]
+    counts = Counter(type(m) for _, m in entries)
+    most = max(counts.values(), default=0)
+    return [(key, m) for key, m in entries if most >= 2 and counts[type(m)] == most]
+
+
 def default_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The entries of the largest ``nn.ModuleList`` whose entries all share one class (the blocks)."""
-    best: List[Tuple[str, nn.Module]] = []
+    """The repeated blocks (most frequent class, at least twice) of every ``nn.ModuleList`` / ``nn.Sequential``
+    in ``model``, outermost first.
+
+    Returns:
+        ``(qualified name, module)`` pairs in module order; empty when the model has no such stack.
+    """
+    chosen: List[Tuple[str, nn.Module]] = []
+    taken: List[str] = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            classes = {type(m) for m in module}
-            if len(classes) == 1:
-                best = [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module)]
-    return best
+        if any(name == t or name.startswith(t + ".") for t in taken):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            for key, block in _stack_blocks(module):
+                full = f"{name}.{key}" if name else key
+                chosen.append((full, block))
+                taken.append(full)
+    return chosen
+
+
+def no_default_layers_message(model: nn.Module) -> str:
+    """The warning for a model where :func:`default_layers` finds nothing: what happens and how to choose."""
+    names = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))][:8]
+    example = repr(names[0]) if names else "'model.layer'"
+    return NO_DEFAULT_LAYERS.format(model=type(model).__name__, example=example, names=names)
 
 
 def select_layers(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[Tuple[str, nn.Module]]:
@@ -37,19 +77,13 @@ def select_layers(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[T
 
     Args:
         model: the root module.
-        patterns: e.g. ``["model.blocks.*"]``; ``None`` means :func:`default_layers`.
+        patterns: e.g. ``["model.blocks.*"]``; ``None`` means :func:`default_layers` (which may be empty).
 
     Raises:
-        ValueError: if no module matches (the message lists a few candidate names).
+        ValueError: if ``patterns`` are given and match no module (the message lists a few candidate names).
     """
     if patterns is None:
-        chosen = default_layers(model)
-        if not chosen:
-            raise ValueError(
-                "graphs.layers is not set and the model has no nn.ModuleList of same-class layers to graph by "
-                "default; set graphs.layers to glob patterns over module names, e.g. ['model.blocks.*']"
-            )
-        return chosen
+        return default_layers(model)
     chosen = []
     taken: List[str] = []
     for name, module in model.named_modules():

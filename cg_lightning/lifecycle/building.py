@@ -3,6 +3,7 @@ and a :class:`~.driver.TrainingDriver` over both. One function per feature, appl
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Type
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn as nn
 
 from ..ddp import DataParallelEngine, DDPOptions
 from ..graphs import GraphManager, GraphOptions
+from ..graphs.selection import default_layers, no_default_layers_message
 from .driver import TrainingDriver
 
 
@@ -31,12 +33,17 @@ def apply_graphs(
             data-parallel engine's buffer); ``False`` for eval-only graphs without an engine.
 
     Returns:
-        the manager, or ``None`` when ``options.enabled`` is false.
+        the manager, or ``None`` when ``options.enabled`` is false or when ``options.layers`` is unset and the
+        model has no repeated layers to graph (:func:`~cg_lightning.graphs.selection.default_layers`; a
+        warning then says how to choose layers).
 
     Raises:
-        ValueError: from ``GraphManager`` when ``options.layers`` matches no module.
+        ValueError: from ``GraphManager`` when ``options.layers`` is set and matches no module.
     """
     if not options.enabled:
+        return None
+    if options.layers is None and not default_layers(model):
+        warnings.warn(no_default_layers_message(model), UserWarning, stacklevel=2)
         return None
     return GraphManager(model, options, device, accumulate_into_main_grad=accumulate_into_main_grad)
 
