@@ -4,7 +4,7 @@
     python scripts/gen_options_doc.py --check   # exit 1 if docs/options.md is stale or a field lacks a docstring
 
 The sources are :class:`cg_lightning.graphs.GraphOptions` and :class:`cg_lightning.ddp.DDPOptions`; each
-field's line is read by :func:`cg_lightning.options.field_docs`. ``tests/test_options_doc.py`` runs the check.
+field's line is read by :func:`cg_lightning.options.field_docs`. ``tests/test_options.py`` runs the check.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from cg_lightning.graphs import GraphManager, GraphOptions
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
 from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff
-from tests.test_lifecycle import DATA, DEVICES, MODEL, N_LAYER, WARMUP, _EvalGPT, _Lifecycle
+from tests.test_lightning_features import DATA, DEVICES, MODEL, N_LAYER, WARMUP, _EvalGPT, _Lifecycle
 
 
 def _fit(name, steps, callbacks=(), accelerator="cpu", backend="eager", capture_eval=True, **kw):

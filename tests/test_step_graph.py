@@ -164,13 +164,13 @@ def test_optimizer_with_step_hook_is_refused():
 def test_checkpoint_holds_the_users_optimizer_settings_and_resumes(tmp_path):
     """A checkpoint saved while the step replays from a graph stores float learning rates and ``capturable``
     as the user set it (so it loads into any optimizer). Resuming from it (epoch boundary, as in
-    tests/test_state.py) under the same strategy captures the step again and continues with the losses of an
+    tests/test_training_state.py) under the same strategy captures the step again and continues with the losses of an
     uninterrupted "ddp" run (1e-5); final weights equal within 1e-5, the fused key bias left out (it does not
     affect any output; its true gradient is 0)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.helpers import state_rel_diffs
-    from tests.test_state import EPOCH_BATCHES, _fit_gpt
+    from tests.test_training_state import EPOCH_BATCHES, _fit_gpt
 
     def make():
         return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": "eager",
