@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 import cg_lightning
-from tests.helpers import max_rel_diff, state_rel_diff, train_in_process, train_subprocess
+from examples.data import TextDataModule
+from examples.gpt import GPTLightningModule
+from tests.helpers import cg_strategy, make_trainer, max_rel_diff, state_rel_diff, train_in_process, train_subprocess
 
 
 def test_strategy_is_registered():
@@ -19,7 +22,7 @@ def test_single_process_parity_and_main_grad():
     the eager gradient within 1e-6."""
     warmup = 2
     ref_model, ref, _ = train_in_process("ddp", steps=20, at_steps=(warmup,))
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup, "backend": "eager"})
+    strategy = cg_strategy(warmup_steps=warmup)
     cg_model, cg, trainer = train_in_process(strategy, steps=20, at_steps=(warmup,))
 
     stats = strategy.last_graph_stats
@@ -60,8 +63,6 @@ def test_torch_ddp_options_refused():
 
 
 def test_manual_optimization_refused():
-    from tests.helpers import GPTLightningModule, Trainer
-
     class Manual(GPTLightningModule):
         def __init__(self):
             super().__init__(n_layer=1, d_model=32, n_head=2, block_size=16)
@@ -74,40 +75,9 @@ def test_manual_optimization_refused():
             opt.step()
             opt.zero_grad()
 
-    from examples.data import TextDataModule
-
-    trainer = Trainer(accelerator="cpu", devices=1, strategy="cudagraph_ddp", max_steps=2, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
+    trainer = make_trainer("cudagraph_ddp", 2)
     with pytest.raises(ValueError, match="automatic optimization"):
         trainer.fit(Manual(), datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=50_000))
-
-
-def test_graph_monitor_metrics_reach_csv_logger(tmp_path):
-    import csv
-    import glob
-
-    from lightning.pytorch import Trainer, seed_everything
-    from lightning.pytorch.loggers import CSVLogger
-
-    from cg_lightning.callbacks import GraphMonitor
-    from examples.data import TextDataModule
-    from examples.gpt import GPTLightningModule
-
-    seed_everything(3)
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2}),
-        max_steps=12, logger=CSVLogger(tmp_path), callbacks=[GraphMonitor(log_every_n_steps=4)],
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(GPTLightningModule(n_layer=2, d_model=32, n_head=2, block_size=16),
-                datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=60_000))
-    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)[0])))
-    logged = [r for r in rows if r.get("graphs/captured")]
-    assert logged, rows[:3]
-    assert float(logged[-1]["graphs/captured"]) == 2.0
-    assert float(logged[-1]["graphs/replays_per_step"]) == 2.0
-    assert float(logged[-1]["graphs/capture_s"]) > 0
 
 
 @pytest.mark.distributed
@@ -164,8 +134,7 @@ def test_tied_weight_without_recomputation_reports_once():
     """Both uses of a tied weight in one backward pass are summed before its AccumulateGrad node runs, so
     it reports ready once per iteration, in eager and replayed iterations; parity with "ddp"."""
     ref_model, ref, _ = train_in_process("ddp", steps=6, model_kwargs={"tie_weights": True})
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager"})
-    model, rec, _ = train_in_process(strategy, steps=6, model_kwargs={"tie_weights": True})
+    model, rec, _ = train_in_process(cg_strategy(), steps=6, model_kwargs={"tie_weights": True})
     counts = [c["model.tok_emb.weight"] for c in rec.ready_counts]
     assert counts == [1] * 6
     assert max_rel_diff(rec.losses, ref.losses) < 1e-5
@@ -211,8 +180,7 @@ def test_block_applied_several_times_with_accumulation_is_bit_exact(segments):
     in a bias after 6 steps). Losses and weights equal to "ddp" bit for bit, with and without segments."""
     kw = dict(steps=6, accumulate=2, model_kwargs={"block_schedule": [0, 1, 0, 1, 0]})
     ref_model, ref, _ = train_in_process("ddp", **kw)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager", "segments": segments})
-    model, rec, trainer = train_in_process(strategy, **kw)
+    model, rec, trainer = train_in_process(cg_strategy(segments=segments), **kw)
     assert trainer.strategy.last_graph_stats.forward_replays > 0
     assert rec.losses == ref.losses
     for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
@@ -243,7 +211,7 @@ def test_overridden_lightning_hooks_are_public_and_marked():
         assert getattr(func, "__override__", False), f"CUDAGraphDDPStrategy.{name} lacks @override"
 
 
-class _HookOrder(__import__("lightning").pytorch.Callback):
+class _HookOrder(Callback):
     """Records, per backward, the Lightning hooks and the lifecycle driver's backward events in the order they
     run, with whether ``param.grad`` was set at each."""
 
@@ -277,16 +245,8 @@ def test_backward_is_lightnings_with_the_driver_around_autograd():
     ``before_backward`` comes after ``on_before_backward`` (which sees the sum so far on the second micro-batch
     of a window) and drops ``param.grad``; ``after_backward`` comes before ``on_after_backward`` and exposes the
     gradients. The precision plugin is left as it was."""
-    from tests.helpers import Trainer
-
-    from examples.data import TextDataModule
-    from examples.gpt import GPTLightningModule
-
     order = _HookOrder()
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 1, "backend": "eager"})
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, accumulate_grad_batches=2,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[order])
+    trainer = make_trainer(cg_strategy(warmup_steps=1), 3, [order], accumulate_grad_batches=2)
     trainer.fit(GPTLightningModule(n_layer=1, d_model=32, n_head=2, block_size=16),
                 datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=50_000))
     window = [("on_before_backward", False), ("before_backward", False), ("after_backward", True),
