@@ -193,13 +193,18 @@ def test_two_process_block_applied_twice(tmp_path):
 
 def test_python_options_errors_name_the_key_and_suggest():
     """The Python API checks option dicts as the command line does: an unknown key names the closest field and
-    lists them all; ``layers`` given as one string (which would graph one module per character) is refused."""
-    with pytest.raises(TypeError, match=r"graphs: unknown key\(s\) 'segment' \(did you mean 'segments'\?\); valid keys: enabled"):
+    lists them all; ``layers`` given as one string (which would graph one module per character) is refused with
+    the list written out; a value of the wrong type names the option and the value."""
+    with pytest.raises(TypeError, match=r"graphs\.segment: unknown key \(did you mean 'segments'\?\); valid keys "
+                                        r"under 'graphs': enabled"):
         cg_lightning.CUDAGraphDDPStrategy(graphs={"segment": False})
-    with pytest.raises(TypeError, match=r"ddp: unknown key\(s\) 'bucket_size' \(did you mean 'bucket_size_mb'\?\)"):
+    with pytest.raises(TypeError, match=r"ddp\.bucket_size: unknown key \(did you mean 'bucket_size_mb'\?\)"):
         cg_lightning.CUDAGraphDDPStrategy(ddp={"bucket_size": 4})
-    with pytest.raises(ValueError, match=r"graphs.layers must be a list of glob patterns, e.g. \['blocks\.\*'\]"):
+    with pytest.raises(TypeError, match=r"graphs\.layers: expected list of str or null, got 'blocks\.\*' "
+                                        r"\(a single item is written as a list: \['blocks\.\*'\]\)"):
         cg_lightning.CUDAGraphDDPStrategy(graphs={"layers": "blocks.*"})
+    with pytest.raises(TypeError, match=r"^graphs\.warmup_steps: expected int, got 'two'$"):
+        cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": "two"})
 
 
 @pytest.mark.parametrize("segments", [True, False])

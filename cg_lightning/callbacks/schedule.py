@@ -36,7 +36,8 @@ class CUDAGraphCallback(Callback):
             test, predict, sanity check); ``None`` leaves the value to the checkpoint or the strategy.
 
     Raises:
-        ValueError: for an invalid value (checked like ``GraphOptions``).
+        TypeError, ValueError: for a value of the wrong type or out of range, checked and worded as
+            ``GraphOptions`` does (``graphs.warmup_steps: expected int >= 0, got -1``).
     """
 
     def __init__(
