@@ -225,23 +225,28 @@ def test_block_applied_several_times_with_accumulation_is_bit_exact(segments):
 
 
 def _overrides(cls, base):
-    """``(name, function)`` of every method ``cls`` defines that ``base`` also has (constructor aside)."""
+    """``(name, function)`` of every method ``cls`` or a class between it and ``base`` (the shared body)
+    defines that ``base`` also has (constructor aside)."""
     out = []
-    for name, value in vars(cls).items():
-        if name == "__init__" or not hasattr(base, name):
-            continue
-        func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
-        if callable(func):
-            out.append((name, func))
+    for klass in cls.__mro__[:cls.__mro__.index(base)]:
+        for name, value in vars(klass).items():
+            if name == "__init__" or not hasattr(base, name):
+                continue
+            func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+            if callable(func):
+                out.append((name, func))
     return out
 
 
-def test_overridden_lightning_hooks_are_public_and_marked():
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_overridden_lightning_hooks_are_public_and_marked(package):
     """The strategy overrides public Lightning hooks only (a private one can change in any Lightning release
-    without notice), each marked ``@override``."""
-    from lightning.pytorch.strategies import DDPStrategy
+    without notice), each marked ``@override``; in both Lightning packages."""
+    ddp_strategy = pytest.importorskip(f"{package}.strategies").DDPStrategy
+    module = "cg_lightning.strategy" if package == "lightning.pytorch" else "cg_lightning.pytorch_lightning"
+    cls = __import__(module, fromlist=["CUDAGraphDDPStrategy"]).CUDAGraphDDPStrategy
 
-    overridden = _overrides(cg_lightning.CUDAGraphDDPStrategy, DDPStrategy)
+    overridden = _overrides(cls, ddp_strategy)
     assert {"configure_ddp", "backward", "training_step", "optimizer_step", "teardown"} <= {n for n, _ in overridden}
     for name, func in overridden:
         assert not name.startswith("_"), f"CUDAGraphDDPStrategy overrides Lightning's private {name}"
