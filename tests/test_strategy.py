@@ -162,13 +162,18 @@ def test_two_process_block_applied_twice(tmp_path):
 
 def test_python_options_errors_name_the_key_and_suggest():
     """The Python API checks option dicts as the command line does: an unknown key names the closest field and
-    lists them all; ``layers`` given as one string (which would graph one module per character) is refused."""
-    with pytest.raises(TypeError, match=r"graphs: unknown key\(s\) 'segment' \(did you mean 'segments'\?\); valid keys: enabled"):
+    lists them all; ``layers`` given as one string (which would graph one module per character) is refused with
+    the list written out; a value of the wrong type names the option and the value."""
+    with pytest.raises(TypeError, match=r"graphs\.segment: unknown key \(did you mean 'segments'\?\); valid keys "
+                                        r"under 'graphs': enabled"):
         cg_lightning.CUDAGraphDDPStrategy(graphs={"segment": False})
-    with pytest.raises(TypeError, match=r"ddp: unknown key\(s\) 'bucket_size' \(did you mean 'bucket_size_mb'\?\)"):
+    with pytest.raises(TypeError, match=r"ddp\.bucket_size: unknown key \(did you mean 'bucket_size_mb'\?\)"):
         cg_lightning.CUDAGraphDDPStrategy(ddp={"bucket_size": 4})
-    with pytest.raises(ValueError, match=r"graphs.layers must be a list of glob patterns, e.g. \['blocks\.\*'\]"):
+    with pytest.raises(TypeError, match=r"graphs\.layers: expected list of str or null, got 'blocks\.\*' "
+                                        r"\(a single item is written as a list: \['blocks\.\*'\]\)"):
         cg_lightning.CUDAGraphDDPStrategy(graphs={"layers": "blocks.*"})
+    with pytest.raises(TypeError, match=r"^graphs\.warmup_steps: expected int, got 'two'$"):
+        cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": "two"})
 
 
 @pytest.mark.parametrize("segments", [True, False])
@@ -188,23 +193,28 @@ def test_block_applied_several_times_with_accumulation_is_bit_exact(segments):
 
 
 def _overrides(cls, base):
-    """``(name, function)`` of every method ``cls`` defines that ``base`` also has (constructor aside)."""
+    """``(name, function)`` of every method ``cls`` or a class between it and ``base`` (the shared body)
+    defines that ``base`` also has (constructor aside)."""
     out = []
-    for name, value in vars(cls).items():
-        if name == "__init__" or not hasattr(base, name):
-            continue
-        func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
-        if callable(func):
-            out.append((name, func))
+    for klass in cls.__mro__[:cls.__mro__.index(base)]:
+        for name, value in vars(klass).items():
+            if name == "__init__" or not hasattr(base, name):
+                continue
+            func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+            if callable(func):
+                out.append((name, func))
     return out
 
 
-def test_overridden_lightning_hooks_are_public_and_marked():
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_overridden_lightning_hooks_are_public_and_marked(package):
     """The strategy overrides public Lightning hooks only (a private one can change in any Lightning release
-    without notice), each marked ``@override``."""
-    from lightning.pytorch.strategies import DDPStrategy
+    without notice), each marked ``@override``; in both Lightning packages."""
+    ddp_strategy = pytest.importorskip(f"{package}.strategies").DDPStrategy
+    module = "cg_lightning.strategy" if package == "lightning.pytorch" else "cg_lightning.pytorch_lightning"
+    cls = __import__(module, fromlist=["CUDAGraphDDPStrategy"]).CUDAGraphDDPStrategy
 
-    overridden = _overrides(cg_lightning.CUDAGraphDDPStrategy, DDPStrategy)
+    overridden = _overrides(cls, ddp_strategy)
     assert {"configure_ddp", "backward", "training_step", "optimizer_step", "teardown"} <= {n for n, _ in overridden}
     for name, func in overridden:
         assert not name.startswith("_"), f"CUDAGraphDDPStrategy overrides Lightning's private {name}"
