@@ -13,7 +13,7 @@ import inspect
 import textwrap
 from typing import Any, Dict, Mapping, Optional, Type, TypeVar
 
-from .graphs.option_checks import check_options, join_key, unknown_key_text
+from .option_checks import check_options, join_key, unknown_key_text
 
 T = TypeVar("T")
 
@@ -21,7 +21,7 @@ T = TypeVar("T")
 def as_options(cls: Type[T], value: Any, what: str) -> T:
     """``cls()`` for ``None``, ``value`` itself if it is a ``cls``, ``cls(**value)`` for a mapping.
 
-    Both are checked field by field (:func:`~cg_lightning.graphs.option_checks.check_options`), so that a
+    Both are checked field by field (:func:`~cg_lightning.option_checks.check_options`), so that a
     problem reads as in a YAML file: ``graphs.warmup_steps: expected int, got 'two'``.
 
     Args:

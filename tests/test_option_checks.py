@@ -1,4 +1,4 @@
-"""One check of option values for the Python API and YAML (:mod:`cg_lightning.graphs.option_checks`): every field of
+"""One check of option values for the Python API and YAML (:mod:`cg_lightning.option_checks`): every field of
 ``GraphOptions`` and ``DDPOptions`` given a value of the wrong type, or out of range, is refused on both paths with
 the same words: the option's key, the value given and what is accepted (CPU, fast)."""
 
@@ -14,7 +14,7 @@ import pytest
 import cg_lightning
 from cg_lightning.config import ConfigError, load_config
 from cg_lightning.ddp.options import DDPOptions
-from cg_lightning.graphs.option_checks import expected_type, field_types, type_name
+from cg_lightning.option_checks import expected_type, field_types, type_name
 from cg_lightning.graphs.options import GraphOptions
 from cg_lightning.options import as_options
 

@@ -4,7 +4,7 @@ The convention is Lightning's ``LightningCLI`` one (``class_path`` an import pat
 constructor's keyword arguments). Before calling the constructor, the arguments are bound to its
 signature (unknown or missing arguments) and checked against its simple annotations (``int``,
 ``float``, ``str``, ``bool``, ``Literal[...]``, lists and mappings of these, their ``Optional`` / ``Union``)
-by the check the option dataclasses use (:func:`cg_lightning.graphs.option_checks.expected_type`); anything
+by the check the option dataclasses use (:func:`cg_lightning.option_checks.expected_type`); anything
 richer is left to the constructor itself.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from cg_lightning.graphs.option_checks import expected_type
+from cg_lightning.option_checks import expected_type
 
 from .errors import ConfigError, short
 from .provenance import from_text

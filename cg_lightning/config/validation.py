@@ -3,7 +3,7 @@
 OmegaConf's own errors stop at the first problem and lose the key path inside lists; this walk
 collects every unknown key and every value of the wrong type, each with its full key path, the
 source's name and the expected type, and records which source set which key (provenance). The wording of
-types and unknown keys is shared with the Python API (:mod:`cg_lightning.graphs.option_checks`).
+types and unknown keys is shared with the Python API (:mod:`cg_lightning.option_checks`).
 Package-internal: :func:`cg_lightning.config.load_config` is the public entry point.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from cg_lightning.graphs.option_checks import (
+from cg_lightning.option_checks import (
     field_types,
     join_key,
     mismatch_text,

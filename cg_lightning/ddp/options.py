@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..graphs.option_checks import above, check_options, one_of
+from ..option_checks import above, check_options, one_of
 
 GRAD_DTYPES = (None, "float32", "bfloat16", "float16")
 

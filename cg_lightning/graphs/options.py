@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .option_checks import at_least, check_options, one_of
+from ..option_checks import at_least, check_options, one_of
 
 BACKENDS = ("auto", "cuda", "eager")
 SHAPE_POLICIES = ("eager", "error", "recapture")

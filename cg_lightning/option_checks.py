@@ -9,8 +9,8 @@ it, so ``GraphOptions(...)``, option dicts and YAML files all pass through it). 
 their own checks with :func:`type_name`, :func:`expected_type`, :func:`mismatch_text` and
 :func:`unknown_key_text`. Every message reads ``<key>: expected <what is accepted>, got <value>``.
 
-Standard library only; it lives in ``graphs/`` because the engine packages import nothing outside themselves
-but torch and a few torch-only modules.
+Standard library only, so the engine packages (``graphs/``, ``ddp/``) may import it, as they import
+:mod:`cg_lightning.protocol`.
 """
 
 from __future__ import annotations
