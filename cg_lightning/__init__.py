@@ -1,9 +1,11 @@
 """cg-lightning: per-layer CUDA graphs under an exact data-parallel engine, for Lightning and Accelerate.
 
-``import cg_lightning`` registers the Lightning strategy name ``"cudagraph_ddp"``: at once when
-``lightning.pytorch`` is already imported, otherwise as soon as it is (:mod:`._lightning_hook`). The public
-names below are resolved on first use (PEP 562), so ``import cg_lightning.graphs`` or ``cg_lightning.ddp``
-loads torch only, never Lightning, Accelerate or OmegaConf.
+``import cg_lightning`` registers the Lightning strategy name ``"cudagraph_ddp"`` with ``lightning.pytorch`` and,
+when it is installed, ``pytorch_lightning``: at once for a package already imported, otherwise as soon as it is
+(:mod:`._lightning_hook`). ``CUDAGraphDDPStrategy`` below is the ``lightning.pytorch`` class; the
+``pytorch_lightning`` one is in :mod:`cg_lightning.pytorch_lightning`. The public names are resolved on first use
+(PEP 562), so ``import cg_lightning.graphs`` or ``cg_lightning.ddp`` loads torch only, never Lightning,
+Accelerate or OmegaConf.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ _EXPORTS = {
 
 #: subpackages and modules reachable as attributes of the package (``cg_lightning.callbacks``)
 _SUBMODULES = frozenset({
-    "accelerate", "callbacks", "cli", "config", "ddp", "graphs", "optim", "options", "phase", "protocol", "strategy",
-    "torch_compat",
+    "accelerate", "callbacks", "cli", "config", "ddp", "graphs", "optim", "options", "phase", "protocol",
+    "pytorch_lightning", "strategy", "torch_compat",
 })
 
 __all__ = sorted(_EXPORTS)

@@ -1,14 +1,23 @@
-"""Registering the strategy names with Lightning without importing Lightning first.
+"""Registering the strategy with each Lightning package without importing either first.
 
-``import cg_lightning`` promises that ``Trainer(strategy="cudagraph_ddp")`` works afterwards. If Lightning is
-already imported, the names are registered at once; otherwise a finder on ``sys.meta_path`` waits for the
-Lightning package to finish importing and registers them then, so that ``import cg_lightning.graphs`` alone
-never loads Lightning. The hook watches the top package (``lightning.pytorch``), not its ``strategies``
-module: that module is imported while the package is still initialising, when the strategy's own imports of
-Lightning (trainer states, the optimizer wrapper) are not safe yet; any import of ``strategies`` finishes the
-package first. When it is :mod:`cg_lightning.strategy` that imports Lightning, the strategy class does not
-exist yet when Lightning is done: the strategy module's own completion registers it then. Another namespace
-(``pytorch_lightning``) is one more entry in :data:`_NAMESPACES`.
+There are two Lightning packages with the same code under two names, ``lightning.pytorch`` and the standalone
+``pytorch_lightning``; a Trainer of one accepts only strategies built on its own ``Strategy``. So each has its
+own strategy class, the same body on its own ``DDPStrategy``, defined in the module :data:`_NAMESPACES` names
+for it, and registered as ``"cudagraph_ddp"`` in that package's registry.
+
+``import cg_lightning`` promises that ``Trainer(strategy="cudagraph_ddp")`` works afterwards. If a package is
+already imported, the name is registered with it at once; otherwise a finder on ``sys.meta_path`` waits for the
+package to finish importing and registers it then, so that ``import cg_lightning.graphs`` alone never loads
+Lightning. The hook watches the top package (``lightning.pytorch``), not its ``strategies`` module: that module
+is imported while the package is still initialising, when the strategy's own imports of Lightning (trainer
+states, the optimizer wrapper) are not safe yet; any import of ``strategies`` finishes the package first. When
+it is the strategy module that imports its package, the class does not exist yet when the package is done: the
+strategy module's own completion registers it then.
+
+Once the classes of both packages exist, each is also registered as a virtual subclass of the other package's
+``Strategy`` (:meth:`abc.ABCMeta.register`). A Trainer handed the other package's class then passes its type
+check and sets the strategy's accelerator, where the class raises :func:`wrong_trainer_error`, naming the import
+that fits, instead of Lightning's "invalid strategy".
 """
 
 from __future__ import annotations
@@ -17,34 +26,78 @@ import importlib
 import importlib.abc
 import sys
 import threading
-from typing import Callable, Dict, Set
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Set
 
-_STRATEGY = "cg_lightning.strategy"
+#: Lightning package -> the module that defines its ``CUDAGraphDDPStrategy``
+_NAMESPACES: Dict[str, str] = {
+    "lightning.pytorch": "cg_lightning.strategy",
+    "pytorch_lightning": "cg_lightning.pytorch_lightning",
+}
+_MODULES = {module: namespace for namespace, module in _NAMESPACES.items()}
 _lock = threading.RLock()
 _loading: Set[str] = set()  # watched modules being executed right now
+_registered: Dict[str, type] = {}  # Lightning package -> its strategy class, once registered
 
 
-def _register_lightning() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
+@dataclass(frozen=True)
+class LightningNamespace:
+    """The pieces the strategy body takes from one Lightning package.
 
-    from .strategy import CUDAGraphDDPStrategy
+    Attributes:
+        name: the package, ``"lightning.pytorch"`` or ``"pytorch_lightning"``.
+        accelerator: its ``Accelerator`` base class (a Trainer of this package hands the strategy one).
+        optimizer_wrapper: its ``LightningOptimizer``.
+        fitting: its ``TrainerFn.FITTING``.
+        rank_zero_info: its ``rank_zero_info``.
+    """
 
-    CUDAGraphDDPStrategy.register_strategies(StrategyRegistry)
+    name: str
+    accelerator: type
+    optimizer_wrapper: type
+    fitting: Any
+    rank_zero_info: Callable[[str], None]
 
 
-#: Lightning package -> what registers the strategy names with it
-_NAMESPACES: Dict[str, Callable[[], None]] = {"lightning.pytorch": _register_lightning}
+def wrong_trainer_error(cls: type, accelerator: Any) -> TypeError:
+    """The error for the strategy class ``cls`` of one Lightning package handed to the Trainer of another (whose
+    ``accelerator`` it was given), naming the import of the class that fits that Trainer."""
+    mine = cls._lightning_ns.name
+    theirs = next((ns for klass in type(accelerator).__mro__ for ns in _NAMESPACES
+                   if ns != mine and (klass.__module__ == ns or klass.__module__.startswith(ns + "."))), None)
+    use = [f"from {module} import CUDAGraphDDPStrategy" for ns, module in _NAMESPACES.items()
+           if ns == theirs or (theirs is None and ns != mine)]
+    return TypeError(
+        f"{cls.__module__}.CUDAGraphDDPStrategy is built on {mine}, but the Trainer it was given to is "
+        f"{theirs or 'another package'}'s (its accelerator is a {type(accelerator).__module__}."
+        f"{type(accelerator).__qualname__}): use `{'` or `'.join(use)}`, or strategy=\"cudagraph_ddp\""
+    )
+
+
+def _register(namespace: str) -> None:
+    """Register the strategy name with ``namespace``'s registry (once), and make its class and those of the
+    packages registered before it virtual subclasses of each other's ``Strategy``."""
+    if namespace in _registered:
+        return
+    strategies = importlib.import_module(f"{namespace}.strategies")
+    cls = importlib.import_module(_NAMESPACES[namespace]).CUDAGraphDDPStrategy
+    cls.register_strategies(strategies.StrategyRegistry)
+    with _lock:
+        for other, other_cls in list(_registered.items()):
+            strategies.Strategy.register(other_cls)
+            importlib.import_module(f"{other}.strategies").Strategy.register(cls)
+        _registered[namespace] = cls
 
 
 def _namespace_loaded(name: str) -> None:
-    if _STRATEGY not in _loading:  # else the strategy module registers itself when it is complete
-        _NAMESPACES[name]()
+    if _NAMESPACES[name] not in _loading:  # else that strategy module registers itself when it is complete
+        _register(name)
 
 
-def _strategy_loaded(_name: str) -> None:
-    for name, register in _NAMESPACES.items():
-        if name in sys.modules and name not in _loading:
-            register()
+def _module_loaded(name: str) -> None:
+    namespace = _MODULES[name]
+    if namespace in sys.modules and namespace not in _loading:
+        _register(namespace)
 
 
 class _RunAfterExec(importlib.abc.Loader):
@@ -101,18 +154,16 @@ _finder = _PostImportFinder()
 
 
 def register_with_lightning() -> None:
-    """Register the strategy names with each Lightning namespace: now if it is imported, else once it is."""
-    waiting = False
-    for name, register in _NAMESPACES.items():
-        if name in sys.modules:
-            register()
-            continue
-        waiting = True
-        with _lock:
-            _finder.pending[name] = _namespace_loaded
-    if waiting and _STRATEGY not in sys.modules:
-        with _lock:
-            _finder.pending[_STRATEGY] = _strategy_loaded
-    with _lock:
+    """Register the strategy name with each Lightning package: now if it is imported, else once it is (a package
+    that is not installed is never imported, and its watch costs one dictionary look-up per import)."""
+    with _lock:  # watch first: registering one package may import the other
+        for namespace, module in _NAMESPACES.items():
+            if namespace not in sys.modules:
+                _finder.pending[namespace] = _namespace_loaded
+                if module not in sys.modules:
+                    _finder.pending[module] = _module_loaded
         if _finder.pending and _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
+    for namespace in _NAMESPACES:
+        if namespace in sys.modules:
+            _register(namespace)

@@ -9,42 +9,43 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import inspect
 import textwrap
-from typing import Any, Dict, Optional, Type, TypeVar
+from typing import Any, Dict, Mapping, Optional, Type, TypeVar
+
+from .option_checks import check_options, join_key, unknown_key_text
 
 T = TypeVar("T")
 
 
 def as_options(cls: Type[T], value: Any, what: str) -> T:
-    """``cls()`` for ``None``, ``value`` itself if it is a ``cls``, ``cls(**value)`` for a dict.
+    """``cls()`` for ``None``, ``value`` itself if it is a ``cls``, ``cls(**value)`` for a mapping.
+
+    Both are checked field by field (:func:`~cg_lightning.option_checks.check_options`), so that a
+    problem reads as in a YAML file: ``graphs.warmup_steps: expected int, got 'two'``.
 
     Args:
         cls: an options dataclass (``GraphOptions``, ``DDPOptions``).
         value: what the user passed.
-        what: the argument's name, for the message.
+        what: the argument's name, the section in messages (``"graphs"``).
 
     Raises:
-        TypeError: for any other type, or a dict with a key that is not a field (the message suggests the
-            closest field and lists them all).
-        ValueError: from the dataclass's own checks.
+        TypeError: ``value`` of another type, a mapping with a key that is not a field (the message suggests
+            the closest field and lists them all), a field value of the wrong type.
+        ValueError: a field value out of range or not one of its choices.
     """
     if value is None:
         return cls()
     if isinstance(value, cls):
+        check_options(value, what)  # its fields may have been set after construction
         return value
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in value if k not in known]
         if unknown:
-            hints = []
-            for k in unknown:
-                close = difflib.get_close_matches(str(k), known, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise TypeError(f"{what}: unknown key(s) {', '.join(hints)}; valid keys: {', '.join(known)}")
+            raise TypeError("\n".join(f"{join_key(what, k)}: {unknown_key_text(k, what, known)}" for k in unknown))
         return cls(**value)
-    raise TypeError(f"{what} must be a {cls.__name__}, a dict of its fields or None, got {type(value).__name__}")
+    raise TypeError(f"{what}: expected a {cls.__name__}, a mapping of its fields or None, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

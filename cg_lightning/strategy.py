@@ -1,8 +1,11 @@
 """``CUDAGraphDDPStrategy``: Lightning's DDP strategy with per-layer graphs and the project's DDP engine.
 
 Registered as ``"cudagraph_ddp"`` on ``import cg_lightning``. It is a ``DDPStrategy`` subclass, so
-Lightning's launchers, samplers, accumulation and checkpointing paths stay as they are. The training itself is
-driven by a :class:`~cg_lightning.lifecycle.TrainingDriver`; this class maps Lightning's hooks onto its events:
+Lightning's launchers, samplers, accumulation and checkpointing paths stay as they are. Its body,
+:class:`CUDAGraphDDPMixin`, serves both Lightning packages: :class:`CUDAGraphDDPStrategy` here is built on
+``lightning.pytorch``, :class:`cg_lightning.pytorch_lightning.CUDAGraphDDPStrategy` on ``pytorch_lightning``; each
+takes its own package's pieces from a :class:`LightningNamespace`. The training itself is driven by a
+:class:`~cg_lightning.lifecycle.TrainingDriver`; the body maps Lightning's hooks onto its events:
 
 ========================================  =====================================================================
 Lightning hook                            driver event
@@ -32,6 +35,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Generator, Iterator, Optional, Union
 
 import torch
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -40,6 +44,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ._lightning_hook import LightningNamespace, wrong_trainer_error
 from .ddp import DataParallelEngine, DDPOptions
 from .graphs import GraphManager, GraphOptions, GraphStats
 from .lifecycle import TrainingDriver, apply_graphs, build_driver
@@ -51,7 +56,7 @@ def _destroy_process_group_at_exit() -> None:
         torch.distributed.destroy_process_group()
 
 
-class CUDAGraphDDPStrategy(DDPStrategy):
+class CUDAGraphDDPMixin:
     """Data-parallel training with per-layer CUDA graphs and exact ``main_grad`` accumulation.
 
     Args:
@@ -72,11 +77,14 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         last_cached_optimizer_steps: optimizer steps taken on cached tensor lists in the last fit.
 
     Raises:
+        TypeError, ValueError: ``graphs`` / ``ddp`` values of the wrong type or out of range (naming the option,
+            the value and what is accepted); ``TypeError`` also in the other Lightning package's ``Trainer``.
         ValueError: for options of torch DDP that this engine does not implement, or manual
             optimization (refused at setup with a message).
     """
 
     strategy_name = "cudagraph_ddp"
+    _lightning_ns: LightningNamespace  # set by each Lightning package's class
 
     def __init__(
         self,
@@ -113,6 +121,18 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         """The graph manager of the current run, or ``None``."""
         return self.driver.graph_manager if self.driver is not None else None
 
+    @property
+    def accelerator(self) -> Any:
+        """Lightning's accelerator, unchanged; setting one of the other Lightning package (the Trainer's first
+        call on its strategy) raises ``TypeError`` naming the class to import instead."""
+        return super().accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:
+        if accelerator is not None and not isinstance(accelerator, self._lightning_ns.accelerator):
+            raise wrong_trainer_error(type(self), accelerator)
+        super(CUDAGraphDDPMixin, type(self)).accelerator.__set__(self, accelerator)  # the base class's setter
+
     # ----------------------------------------------------------------- setup
     @override
     def setup_distributed(self) -> None:
@@ -131,7 +151,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         (``trainer.validate/test/predict``) with ``graphs.capture_eval`` also a graph manager for eval-mode
         graphs only (no DDP engine: nothing to reduce), removed again at teardown."""
         super().setup(trainer)
-        if (trainer.state.fn != TrainerFn.FITTING and self.graph_options.enabled and self.graph_options.capture_eval
+        options = self.graph_options
+        if (trainer.state.fn != self._lightning_ns.fitting and options.enabled and options.capture_eval
                 and self.driver is None and self.lightning_module is not None):
             manager = apply_graphs(self.lightning_module, self.graph_options, self.root_device,
                                    accumulate_into_main_grad=False)
@@ -181,7 +202,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         if bar is not None and trainer.is_global_zero and getattr(bar, "is_enabled", False):
             bar.print(message)
         else:
-            rank_zero_info(message)
+            self._lightning_ns.rank_zero_info(message)
 
     @override
     @contextmanager
@@ -250,7 +271,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         The gradients stay in ``param.grad`` (aliasing ``main_grad``) for ``on_train_batch_end`` and
         ``on_before_zero_grad``, as under ``"ddp"``; Lightning's ``zero_grad`` before the next backward sets
         them to ``None`` and the driver's ``before_backward`` zeroes ``main_grad`` to match."""
-        if isinstance(optimizer, LightningOptimizer):
+        if isinstance(optimizer, self._lightning_ns.optimizer_wrapper):
             optimizer = optimizer._optimizer
         driver = self.driver
         if driver is None:
@@ -278,7 +299,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         """The optimizer's state dict, with ``capturable`` as the user set it (a captured step sets it on every
         group), so the checkpoint loads under any strategy."""
         state = super().optimizer_state(optimizer)
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        raw = optimizer._optimizer if isinstance(optimizer, self._lightning_ns.optimizer_wrapper) else optimizer
         return self.driver.optimizer_state_view(raw, state) if self.driver is not None else state
 
     # ----------------------------------------------------------------- teardown
@@ -304,3 +325,14 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             description="DDP with per-layer CUDA graphs and an exact main_grad engine (cg-lightning)",
             override=True,
         )
+
+
+class CUDAGraphDDPStrategy(CUDAGraphDDPMixin, DDPStrategy):
+    __doc__ = f"""{CUDAGraphDDPMixin.__doc__.strip()}
+
+    Built on ``lightning.pytorch``; for ``pytorch_lightning`` use
+    :class:`cg_lightning.pytorch_lightning.CUDAGraphDDPStrategy`.
+    """
+
+    _lightning_ns = LightningNamespace("lightning.pytorch", Accelerator, LightningOptimizer, TrainerFn.FITTING,
+                                       rank_zero_info)

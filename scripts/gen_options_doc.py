@@ -4,7 +4,7 @@
     python scripts/gen_options_doc.py --check   # exit 1 if docs/options.md is stale or a field lacks a docstring
 
 The sources are :class:`cg_lightning.graphs.GraphOptions` and :class:`cg_lightning.ddp.DDPOptions`; each
-field's line is read by :func:`cg_lightning.options.field_docs`. ``tests/test_options_doc.py`` runs the check.
+field's line is read by :func:`cg_lightning.options.field_docs`. ``tests/test_options.py`` runs the check.
 """
 
 from __future__ import annotations
@@ -53,9 +53,11 @@ strategy:
 ```
 
 On the command line: `python -m cg_lightning fit --config configs/gpt_tiny.yaml strategy.graphs.segments=false`.
-An unknown key is refused with the closest valid name; a value out of range raises `ValueError` naming the
-option. Defaults are shown as Python values (YAML writes `true`, `false`, `null`). What each option changes in a
-training step: [design.md](design.md); when to change one: [limitations.md](limitations.md).
+An unknown key is refused with the closest valid name. A value of the wrong type raises `TypeError`, one out of
+range or not among the choices `ValueError`; in Python and in YAML the message names the option, the value given
+and what is accepted (`graphs.warmup_steps: expected int, got 'two'`). Defaults are shown as Python values (YAML
+writes `true`, `false`, `null`). What each option changes in a training step: [design.md](design.md); when to
+change one: [limitations.md](limitations.md).
 """
 
 

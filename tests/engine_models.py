@@ -1,7 +1,9 @@
-"""Small models for engine-level tests: recomputation variants inside graphed layers."""
+"""Engine-level tests (no Lightning): small models (recomputation variants inside graphed layers), the graph
+manager and data-parallel engine built over them, and the SGD runs the tests compare against eager PyTorch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -9,6 +11,13 @@ import torch.utils.checkpoint as tcp
 
 import cg_lightning
 from cg_lightning import CheckpointWithoutOutput
+from cg_lightning.ddp import DataParallelEngine, DDPOptions
+from cg_lightning.graphs import GraphManager, GraphOptions
+
+LR = 0.05  # the SGD learning rate of eager_reference and train_steps
+# (graph backend, torch device): the eager backend on CPU everywhere, real CUDA graphs on the GPU machine
+BACKENDS = [pytest.param("eager", "cpu", id="eager-cpu"),
+            pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda)]
 
 
 class SeedLayer(nn.Module):
@@ -119,3 +128,77 @@ class Stack(nn.Module):
             for _ in range(self.repeat):
                 h = layer(h)
         return self.head(h).pow(2).mean()
+
+
+def graph_manager(model: nn.Module, device="cpu", **graphs) -> GraphManager:
+    """``GraphManager`` over ``model`` with ``GraphOptions(warmup_steps=1, backend="eager", **graphs)``."""
+    return GraphManager(model, GraphOptions(**{"warmup_steps": 1, "backend": "eager", **graphs}), torch.device(device))
+
+
+def graphed_engine(model: nn.Module, device="cpu", **graphs):
+    """:func:`graph_manager` and a ``DataParallelEngine`` (default options) over ``model``, the manager bound to the
+    engine's grad-ready reporter. Returns (manager, engine)."""
+    manager = graph_manager(model, device, **graphs)
+    engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
+    manager.bind_grad_ready(engine.grad_ready)
+    return manager, engine
+
+
+def batches(steps: int, d: int, device="cpu"):
+    """``steps`` inputs of shape (8, d), the same on every call."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(8, d, generator=g).to(device) for _ in range(steps)]
+
+
+def eager_reference(layer_cls, steps=4, d=16, n=2, device="cpu", repeat=1):
+    """SGD steps of ``Stack(layer_cls)`` without recomputation; returns (each step's ``.grad`` by name, model)."""
+    torch.manual_seed(0)
+    model = Stack(layer_cls, d, n, recompute=False, repeat=repeat).to(device)
+    grads = []
+    for x in batches(steps, d, device):
+        model.zero_grad(set_to_none=True)
+        model(x).backward()
+        grads.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return grads, model
+
+
+def graphed_run(layer_cls, backend, device, steps=4, d=16, n=2, warmup_steps=1, recompute=True, repeat=1,
+                graphs=True, **opts):
+    """Train with the DDP engine; with ``graphs`` the layers are graphed (else eager, real recomputation).
+    Returns (grads, counts, manager, engine, model), grads and counts as :func:`train_steps` gives them."""
+    torch.manual_seed(0)
+    model = Stack(layer_cls, d, n, recompute=recompute, repeat=repeat).to(device)
+    manager, engine = graphed_engine(model, device, warmup_steps=warmup_steps, backend=backend, layers=["layers.*"],
+                                     enabled=graphs, **opts)
+    grads, counts = train_steps(manager, engine, model, batches(steps, d, device))
+    return grads, counts, manager, engine, model
+
+
+def train_steps(manager, engine, model, batches):
+    """SGD steps of ``engine`` over ``batches`` with ``manager``'s graphs; returns each step's ``main_grad`` by name
+    (after the all-reduce) and each step's grad-ready count by parameter name."""
+    grads, counts = [], []
+    for step, x in enumerate(batches):
+        manager.begin_step(step)
+        engine(x).backward()
+        manager.end_step()
+        counts.append({engine.names[p]: c for b in engine.buckets for p, c in b.counts.items()})
+        engine.finish_grad_sync()
+        grads.append({k: p.main_grad.detach().clone() for k, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.main_grad
+        engine.zero_grad_buffer()
+    return grads, counts
+
+
+def assert_grads_equal(got, ref, tol=1e-6):
+    """Per step and parameter name, ``got`` equals ``ref`` within ``tol`` (relative and absolute)."""
+    assert len(got) == len(ref)
+    for step, (g, r) in enumerate(zip(got, ref)):
+        assert g.keys() == r.keys()
+        for name in r:
+            torch.testing.assert_close(g[name], r[name], rtol=tol, atol=tol, msg=f"step {step}: {name}")

@@ -1,99 +1,118 @@
-"""Shared test helpers: train the example GPT under a strategy and collect what the tests compare."""
+"""Shared test code: the constants the tests share, builders of strategies and Trainers, the training runs the
+tests compare and the comparisons. Engine-level runs (no Lightning) are in :mod:`tests.engine_models`."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict
 
+import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 
-import cg_lightning  # noqa: F401  (registers the strategy name)
+import cg_lightning  # registers the strategy name
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
+from tests.recorders import GradRecorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_parity.py")
 
+WARMUP = 2  # graphs.warmup_steps of most Trainer runs: steps 0 and 1 eager, capture in step 2
+# The example GPT most Trainer tests train (2 blocks, d=32, T=16) and its text data.
+MODEL = dict(n_layer=2, d_model=32, n_head=2, block_size=16, lr=3e-3)
+N_LAYER = MODEL["n_layer"]
+DATA = dict(block_size=16, batch_size=4, max_bytes=100_000)
+# The GPT of train_in_process and of tests/scripts/train_parity.py's defaults (2 blocks, d=64, T=32).
+PARITY_MODEL = dict(n_layer=2, d_model=64, n_head=4, block_size=32, lr=3e-3)
+EPOCH_BATCHES = 10  # batches per epoch of fit_whole_epochs
 
-class GradRecorder(Callback):
-    """Records losses every step, every parameter's gradient (``.grad``) at chosen global steps, and (under
-    ``cudagraph_ddp``) the engine's grad-ready counts by parameter name at every optimizer step."""
+# (accelerator, graph backend): the eager backend on CPU everywhere, real CUDA graphs on the GPU machine
+DEVICES = [pytest.param("cpu", "eager", id="cpu"), pytest.param("gpu", "cuda", marks=pytest.mark.cuda, id="cuda")]
 
-    def __init__(self, at_steps=(), record_batches: bool = False) -> None:
-        self.losses: List[float] = []
-        self.ready_counts: List[Dict[str, int]] = []
-        self.record_batches = record_batches
-        self.batches: list = []
-        self.at_steps = set(at_steps)
-        self.grads: Dict[int, Dict[str, torch.Tensor]] = {}
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.record_batches:
-            self.batches.append([t.detach().clone() for t in batch])
+def cg_strategy(backend: str = "eager", warmup_steps: int = WARMUP, ddp=None, **graphs):
+    """``CUDAGraphDDPStrategy(graphs={"warmup_steps": ..., "backend": ..., **graphs}, ddp=ddp)``."""
+    return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup_steps, "backend": backend, **graphs},
+                                             ddp=ddp)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if outputs is None or "loss" not in outputs:  # a batch the LightningModule skipped (returned None)
-            self.losses.append(float("nan"))
-            return
-        self.losses.append(float(outputs["loss"].detach()))
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        engine = getattr(trainer.strategy, "engine", None)
-        if engine is not None:
-            self.ready_counts.append(dict(engine.last_ready_counts))
-        if trainer.global_step in self.at_steps:
-            self.grads[trainer.global_step] = {
-                n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
-            }
+def strategy_for(name: str, backend: str = "eager", **graphs):
+    """Lightning's ``"ddp"`` for ``name == "ddp"``, else :func:`cg_strategy` with ``graphs``."""
+    return "ddp" if name == "ddp" else cg_strategy(backend, **graphs)
+
+
+def make_trainer(strategy, steps: int, callbacks=(), *, accelerator: str = "cpu", validation: bool = False,
+                 **overrides) -> Trainer:
+    """A one-device Trainer of ``steps`` optimizer steps without logger, checkpoints, progress bar or model summary.
+
+    ``validation=False`` also turns off the sanity check and validation (``num_sanity_val_steps=0``,
+    ``limit_val_batches=0``); ``True`` keeps Lightning's defaults. ``overrides`` win over all of these."""
+    kwargs = dict(accelerator=accelerator, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+    if not validation:
+        kwargs.update(num_sanity_val_steps=0, limit_val_batches=0)
+    kwargs.update(overrides)
+    return Trainer(strategy=strategy, callbacks=list(callbacks), **kwargs)
+
+
+def fit_gpt(strategy, steps: int, *, model_cls=GPTLightningModule, model=MODEL, model_kwargs=None, data=DATA,
+            seed: int = 7, callbacks=(), ckpt_path=None, **trainer_kwargs):
+    """Seed, build ``model_cls(**model, **model_kwargs)`` and ``TextDataModule(**data)`` and fit them with
+    :func:`make_trainer` (``trainer_kwargs``) and a :class:`GradRecorder` first among the callbacks.
+    Returns (model, recorder, trainer, datamodule)."""
+    seed_everything(seed, workers=True)
+    module = model_cls(**{**model, **(model_kwargs or {})})
+    datamodule = TextDataModule(**data)
+    rec = GradRecorder()
+    trainer = make_trainer(strategy, steps, [rec, *callbacks], **trainer_kwargs)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    return module, rec, trainer, datamodule
+
+
+def fit_whole_epochs(strategy, steps: int, callbacks=(), ckpt_path=None, **trainer_kwargs):
+    """The PARITY_MODEL GPT with a per-step LR warmup on 40 windows of 33 bytes, 4 per batch: exactly
+    EPOCH_BATCHES batches per epoch, no validation split (a checkpoint at ``step=EPOCH_BATCHES`` lies on an epoch
+    boundary). Returns (model, recorder)."""
+    model, rec, trainer, _ = fit_gpt(strategy, steps, model=dict(PARITY_MODEL, warmup_lr_steps=15),
+                                     data=dict(block_size=32, batch_size=4, val_fraction=0.0, max_bytes=40 * 33),
+                                     callbacks=callbacks, ckpt_path=ckpt_path, **trainer_kwargs)
+    assert trainer.num_training_batches == EPOCH_BATCHES
+    assert trainer.global_step == steps
+    return model, rec
+
+
+class EvalGPT(GPTLightningModule):
+    """The example GPT with a ``test_step`` (logs ``test_loss``) and a ``predict_step`` (the logits)."""
+
+    def test_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        x, _ = batch
+        return self(x)
 
 
 def train_in_process(strategy, steps: int = 20, seed: int = 7, at_steps=(), precision="32-true",
                      accelerator="cpu", model_kwargs=None, data_kwargs=None, accumulate=1, record_batches=False):
-    """One-process fit of a tiny GPT; returns (model, recorder, trainer)."""
+    """One-process fit of the PARITY_MODEL GPT; returns (model, recorder, trainer)."""
     seed_everything(seed, workers=True)
-    mk = dict(n_layer=2, d_model=64, n_head=4, block_size=32, lr=3e-3)
+    mk = dict(PARITY_MODEL)
     mk.update(model_kwargs or {})
     dk = dict(block_size=mk["block_size"], batch_size=4, max_bytes=300_000)
     dk.update(data_kwargs or {})
     model = GPTLightningModule(**mk)
     data = TextDataModule(**dk)
     rec = GradRecorder(at_steps, record_batches)
-    trainer = Trainer(
-        accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=steps,
-        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[rec],
-    )
+    trainer = make_trainer(strategy, steps, [rec], accelerator=accelerator, precision=precision,
+                           accumulate_grad_batches=accumulate)
     trainer.fit(model, datamodule=data)
     return model, rec, trainer
-
-
-_DIST_VARS = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE",
-              "GROUP_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train_subprocess(out: str, *args: str, timeout: float = 240) -> dict:
-    """Run tests/scripts/train_parity.py (which may launch several processes); return its saved dict."""
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    env.update(PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--out", out, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"training script failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return torch.load(out)
 
 
 def train_plain_pytorch(batches, seed: int = 7, model_kwargs=None, accumulate: int = 1, device="cpu"):
@@ -102,7 +121,7 @@ def train_plain_pytorch(batches, seed: int = 7, model_kwargs=None, accumulate: i
     divided by ``accumulate``). Returns (model, per-micro-batch losses divided by ``accumulate``, the value
     Lightning hands to ``on_train_batch_end`` as ``outputs["loss"]``)."""
     seed_everything(seed, workers=True)
-    mk = dict(n_layer=2, d_model=64, n_head=4, block_size=32, lr=3e-3)
+    mk = dict(PARITY_MODEL)
     mk.update(model_kwargs or {})
     model = GPTLightningModule(**mk).to(device)
     opt = model.configure_optimizers()
@@ -117,6 +136,42 @@ def train_plain_pytorch(batches, seed: int = 7, model_kwargs=None, accumulate: i
     return model, losses
 
 
+# ------------------------------------------------------------------------------------------ other processes
+DIST_VARS = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE",
+             "GROUP_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict:
+    """This environment without distributed variables (a test may itself run under a launcher), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env.update(extra)
+    return env
+
+
+def local_master() -> dict:
+    """``MASTER_ADDR``/``MASTER_PORT`` of a free port on localhost."""
+    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def train_subprocess(out: str, *args: str, timeout: float = 240) -> dict:
+    """Run tests/scripts/train_parity.py (which may launch several processes); return its saved dict."""
+    env = subprocess_env(PYTHONPATH=ROOT, **local_master())
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--out", out, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"training script failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return torch.load(out)
+
+
+# ------------------------------------------------------------------------------------------ comparisons
 def max_rel_diff(a, b) -> float:
     a = torch.as_tensor(a, dtype=torch.float64)
     b = torch.as_tensor(b, dtype=torch.float64)

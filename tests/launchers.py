@@ -16,12 +16,12 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from tests.helpers import _DIST_VARS, ROOT, free_port
+from tests.helpers import ROOT, free_port, subprocess_env
 
 
 def clean_env(**extra: str) -> dict:
-    """This environment without distributed variables (a test may itself run under a launcher)."""
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith("ACCELERATE_")}
+    """This environment without distributed or Accelerate variables (a test may itself run under a launcher)."""
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("ACCELERATE_")}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.update(extra)
     return env

@@ -12,17 +12,17 @@ import os
 import pytest
 import torch
 
-from tests.helpers import ROOT, max_rel_diff, state_rel_diff
+from tests.helpers import PARITY_MODEL, ROOT, WARMUP, max_rel_diff, state_rel_diff
 from tests.launchers import run_all, torchrun
 
 SCRIPT = os.path.join(ROOT, "examples", "train_accelerate.py")
 TINY = [
     "--config", os.path.join(ROOT, "configs", "gpt_tiny.yaml"),
-    "model.init_args.n_layer=2", "model.init_args.d_model=64", "model.init_args.n_head=4",
-    "model.init_args.block_size=32", "data.init_args.batch_size=4", "data.init_args.max_bytes=300000",
-    "strategy.graphs.warmup_steps=2", "--log-every", "1000",
+    *(f"model.init_args.{key}={PARITY_MODEL[key]}" for key in ("n_layer", "d_model", "n_head", "block_size")),
+    "data.init_args.batch_size=4", "data.init_args.max_bytes=300000",
+    f"strategy.graphs.warmup_steps={WARMUP}", "--log-every", "1000",
 ]
-N_LAYER, WARMUP = 2, 2
+N_LAYER = PARITY_MODEL["n_layer"]
 
 
 def _train_pair(tmp_path, *args: str, timeout: float = 150):
@@ -110,11 +110,11 @@ def fresh_accelerate_state(monkeypatch):
     import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState
 
-    from tests.helpers import _DIST_VARS
+    from tests.helpers import DIST_VARS
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    for var in _DIST_VARS:
+    for var in DIST_VARS:
         monkeypatch.delenv(var, raising=False)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

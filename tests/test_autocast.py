@@ -7,12 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import LightningModule, seed_everything
 
-import cg_lightning
-from cg_lightning import SegmentError
-from cg_lightning import CheckpointWithoutOutput
-from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff
+from cg_lightning import CheckpointWithoutOutput, SegmentError
+from tests.helpers import cg_strategy, make_trainer, max_rel_diff, state_rel_diff, strategy_for
+from tests.recorders import GradRecorder
 
 
 class _AutocastProbe(torch.autograd.Function):
@@ -73,12 +72,8 @@ def test_graphed_backward_runs_outside_autocast_like_eager():
         seed_everything(3)
         _AutocastProbe.seen = []
         model = _Model()
-        strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
-            graphs={"warmup_steps": 2, "backend": "eager"})
         rec = GradRecorder()
-        Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=6, precision="bf16-mixed", logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                callbacks=[rec]).fit(model)
+        make_trainer(strategy_for(name), 6, [rec], precision="bf16-mixed").fit(model)
         out[name] = (model, rec, list(_AutocastProbe.seen))
     (ref_model, ref, ref_seen), (model, rec, seen) = out["ddp"], out["cg"]
     assert ref_seen and not any(ref_seen)
@@ -164,12 +159,8 @@ def test_a_call_whose_autocast_changed_after_capture_does_not_replay(reverse):
     for name in ("ddp", "cg"):
         seed_everything(3)
         model = _SwitchesAutocast(reverse)
-        strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
-            graphs={"warmup_steps": 2, "backend": "eager", "segments": False})
         rec = GradRecorder()
-        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, precision="bf16-mixed",
-                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                          enable_model_summary=False, callbacks=[rec])
+        trainer = make_trainer(strategy_for(name, segments=False), 8, [rec], precision="bf16-mixed")
         if name == "cg":
             with pytest.warns(UserWarning, match=r"'blocks\.2'.*autocast: captured (disabled|enabled for cpu "
                                                  r"bfloat16), got (enabled for cpu bfloat16|disabled)"):
@@ -190,9 +181,7 @@ def test_autocast_change_inside_a_segment_after_capture_is_an_error_naming_the_l
     when blocks.2 is called under other autocast settings: it cannot fall back alone, so ``SegmentError``
     names the layer and both settings, instead of replaying the old kernels."""
     seed_everything(3)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=8, precision="bf16-mixed", logger=False,
-                      strategy=cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager"}),
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = make_trainer(cg_strategy(), 8, precision="bf16-mixed")
     match = r"(?s)'blocks\.2'.*autocast: captured disabled, got enabled for cpu bfloat16"
     with pytest.raises(SegmentError, match=match):
         trainer.fit(_SwitchesAutocast(False))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import sys
 import pytest
 
 from benchmarks.peers import PEER_NAMES, Peer
-from tests.helpers import _DIST_VARS, ROOT
+from tests.helpers import ROOT, subprocess_env
 
 CPU_PEERS = ("lightning_ddp", "torch_ddp", "cudagraph_ddp", "cudagraph_ddp_layers", "cudagraph_ddp_nocache",
              "cudagraph_ddp_opt", "cudagraph_ddp_glue", "cudagraph_ddp_head")
@@ -36,7 +35,7 @@ def _result_stem(folder, what: str, size: str) -> str:
 
 @pytest.mark.timeout(180)
 def test_smoke_run_writes_a_row_per_peer(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env = subprocess_env()
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--out", str(tmp_path)],
@@ -179,7 +178,7 @@ def test_peer_losses_compares_losses_and_names_a_lost_gradient():
 def test_accumulator_stream_experiment_runs_the_patched_engine(tmp_path):
     """benchmarks.diagnostics.accumulator_stream swaps the strategy's engine and runs step_time (smoke, CPU): the peer gets
     an ok row and the glue parameters (5 at this size: embeddings, final norm, head) are the ones rebound."""
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.diagnostics.accumulator_stream", "--binding", "glue-current", "--", "--smoke",
          "--peers", "cudagraph_ddp", "--no-png", "--out", str(tmp_path)],

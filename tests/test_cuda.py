@@ -3,29 +3,28 @@
 import pytest
 import torch
 
-import cg_lightning
-from tests.helpers import max_rel_diff, state_rel_diff, train_in_process
+from tests.helpers import cg_strategy, max_rel_diff, state_rel_diff, train_in_process
 
 pytestmark = pytest.mark.cuda
 
-MODEL = dict(n_layer=4, d_model=128, n_head=4, block_size=64)
-DATA = dict(batch_size=8)
+CUDA_MODEL = dict(n_layer=4, d_model=128, n_head=4, block_size=64)
+CUDA_DATA = dict(batch_size=8)
 
 
 def _pair(precision: str, steps: int, at_steps=()):
     ref_model, ref, _ = train_in_process(
-        "ddp", steps=steps, accelerator="gpu", precision=precision, model_kwargs=MODEL, data_kwargs=DATA,
+        "ddp", steps=steps, accelerator="gpu", precision=precision, model_kwargs=CUDA_MODEL, data_kwargs=CUDA_DATA,
         at_steps=at_steps,
     )
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "cuda"})
+    strategy = cg_strategy("cuda")
     cg_model, cg, _ = train_in_process(
-        strategy, steps=steps, accelerator="gpu", precision=precision, model_kwargs=MODEL, data_kwargs=DATA,
+        strategy, steps=steps, accelerator="gpu", precision=precision, model_kwargs=CUDA_MODEL, data_kwargs=CUDA_DATA,
         at_steps=at_steps,
     )
     stats = strategy.last_graph_stats
     assert stats.backend == "cuda"
-    assert stats.captured_runners == MODEL["n_layer"]
-    assert stats.forward_replays == MODEL["n_layer"] * (steps - 2)
+    assert stats.captured_runners == CUDA_MODEL["n_layer"]
+    assert stats.forward_replays == CUDA_MODEL["n_layer"] * (steps - 2)
     return ref_model, ref, cg_model, cg
 
 
@@ -54,12 +53,12 @@ def test_cuda_tied_weights_recomputed_loss_accumulation():
     tests/test_strategy.py); the tied weight reports ready twice in every iteration."""
     from tests.helpers import train_plain_pytorch
 
-    model = dict(MODEL, tie_weights=True, bias=False, recompute_loss=True)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "cuda"})
+    model = dict(CUDA_MODEL, tie_weights=True, bias=False, recompute_loss=True)
+    strategy = cg_strategy("cuda")
     cg_model, cg, _ = train_in_process(strategy, steps=12, accelerator="gpu", model_kwargs=model,
-                                       data_kwargs=DATA, accumulate=4, record_batches=True)
+                                       data_kwargs=CUDA_DATA, accumulate=4, record_batches=True)
     ref_model, ref_losses = train_plain_pytorch(cg.batches, model_kwargs=model, accumulate=4, device="cuda")
-    assert strategy.last_graph_stats.forward_replays == MODEL["n_layer"] * 4 * (12 - 2)
+    assert strategy.last_graph_stats.forward_replays == CUDA_MODEL["n_layer"] * 4 * (12 - 2)
     loss_diff = max_rel_diff(cg.losses, ref_losses)
     weight_diff = state_rel_diff(cg_model.state_dict(), ref_model.state_dict())
     print(f"tied+accumulate fp32: max rel loss diff {loss_diff:.2e}, max rel weight diff {weight_diff:.2e}")
@@ -73,11 +72,11 @@ def test_cuda_block_applied_twice_with_recomputation():
     reports ready twice per iteration."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    model = dict(MODEL, recompute_blocks=True, block_schedule=[0, 0, 1, 2, 3])
+    model = dict(CUDA_MODEL, recompute_blocks=True, block_schedule=[0, 0, 1, 2, 3])
     ref_model, ref, _ = train_in_process(DDPStrategy(static_graph=True), steps=12, accelerator="gpu",
-                                         model_kwargs=model, data_kwargs=DATA)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "cuda"})
-    cg_model, cg, _ = train_in_process(strategy, steps=12, accelerator="gpu", model_kwargs=model, data_kwargs=DATA)
+                                         model_kwargs=model, data_kwargs=CUDA_DATA)
+    strategy = cg_strategy("cuda")
+    cg_model, cg, _ = train_in_process(strategy, steps=12, accelerator="gpu", model_kwargs=model, data_kwargs=CUDA_DATA)
     assert strategy.last_graph_stats.captured_runners == 5
     loss_diff = max_rel_diff(cg.losses, ref.losses)
     weight_diff = state_rel_diff(cg_model.state_dict(), ref_model.state_dict())
@@ -92,11 +91,11 @@ def test_cuda_blocks_applied_several_times_with_accumulation(segments):
     times) and accumulate_grad_batches=2, real graphs, fp32: autograd sums every call's share before main_grad
     (in eager backward's order), so losses and weights equal Lightning "ddp" bit for bit (the CPU twin is
     tests/test_strategy.py::test_block_applied_several_times_with_accumulation_is_bit_exact)."""
-    model = dict(MODEL, n_layer=2, block_schedule=[0, 1, 0, 1, 0])  # every block used: "ddp" rejects unused ones
-    ref_model, ref, _ = train_in_process("ddp", steps=8, accelerator="gpu", model_kwargs=model, data_kwargs=DATA,
+    model = dict(CUDA_MODEL, n_layer=2, block_schedule=[0, 1, 0, 1, 0])  # every block used: "ddp" rejects unused ones
+    ref_model, ref, _ = train_in_process("ddp", steps=8, accelerator="gpu", model_kwargs=model, data_kwargs=CUDA_DATA,
                                          accumulate=2)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "cuda", "segments": segments})
-    cg_model, cg, _ = train_in_process(strategy, steps=8, accelerator="gpu", model_kwargs=model, data_kwargs=DATA,
+    strategy = cg_strategy("cuda", segments=segments)
+    cg_model, cg, _ = train_in_process(strategy, steps=8, accelerator="gpu", model_kwargs=model, data_kwargs=CUDA_DATA,
                                        accumulate=2)
     assert strategy.last_graph_stats.forward_replays > 0
     loss_diff = max_rel_diff(cg.losses, ref.losses)

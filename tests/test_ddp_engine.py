@@ -1,6 +1,7 @@
-"""The DDP engine across two processes (gloo): bucket overlap, missing gradients, a stuck rank, golden counts.
+"""The DDP engine (:mod:`cg_lightning.ddp`). Across two processes (gloo): bucket overlap, missing gradients, a stuck
+rank, golden counts; in one process: gradient dtypes, counts and their errors, ``no_sync``, the gradient buffer.
 
-Each case runs ``tests/scripts/engine_dist.py`` under ``torch.distributed.run`` with a subprocess timeout;
+Each two-process case runs ``tests/scripts/engine_dist.py`` under ``torch.distributed.run`` with a subprocess timeout;
 the engine's own timeout (``DDPOptions.timeout_s``) is 10 s there, so a hang would fail the test, not
 block CI.
 """
@@ -8,21 +9,22 @@ block CI.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+import torch
 
-from tests.helpers import _DIST_VARS, ROOT, free_port
+from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
+from tests import engine_models as em
+from tests.helpers import ROOT, subprocess_env
+from tests.launchers import torchrun
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "engine_dist.py")
 
 
 def _run(scenario: str, tmp_path, timeout: float = 120) -> list:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    env["PYTHONPATH"] = ROOT
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), SCRIPT, "--scenario", scenario, "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = torchrun(SCRIPT, "--scenario", scenario, "--out", str(tmp_path), nproc=2)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(PYTHONPATH=ROOT), capture_output=True, text=True,
+                          timeout=timeout)
     results = []
     for r in range(2):
         path = tmp_path / f"rank{r}.json"
@@ -332,3 +334,69 @@ def test_main_grad_put_back_into_the_buffer_after_its_storage_was_swapped():
     lin.weight.grad.data = torch.full((2, 3), 5.0)
     engine.zero_grad_buffer()
     assert lin.weight.main_grad.data_ptr() == view.data_ptr() and not lin.weight.main_grad.any()
+
+
+def test_missing_gradient_is_a_named_error():
+    torch.manual_seed(0)
+    model = em.Stack(em.SeedLayer, 16, 2, recompute=False)
+    engine = DataParallelEngine(model, DDPOptions())
+    x = torch.randn(4, 16)
+    engine(x).backward()
+    engine.finish_grad_sync()
+    engine.zero_grad_buffer()
+    # next iteration: skip the last layer, its parameters never report ready
+    h = model.inp(x)
+    h = model.layers[0](h)
+    model.head(h).pow(2).mean().backward()
+    with pytest.raises(GradSyncError, match=r"layers\.1\.projection\.weight \(ready 0 times, expected 1\)"):
+        engine.finish_grad_sync()
+
+
+def test_grad_added_to_main_grad_skips_add_and_reports_ready():
+    lin = torch.nn.Linear(4, 4)
+    engine = DataParallelEngine(lin, DDPOptions())
+    lin(torch.randn(2, 4)).sum().backward()
+    engine.finish_grad_sync()
+    first = lin.weight.main_grad.clone()
+    engine.zero_grad_buffer()
+    lin.weight.grad_added_to_main_grad = True
+    lin.weight.main_grad.fill_(7.0)
+    lin(torch.randn(2, 4)).sum().backward()
+    assert lin.weight.grad is None and lin.weight.grad_added_to_main_grad is False
+    assert torch.all(lin.weight.main_grad == 7.0)
+    assert engine.bucket_of[lin.weight].counts[lin.weight] == 1
+    engine.finish_grad_sync()
+    assert not torch.equal(first, lin.weight.main_grad)
+
+
+def test_no_sync_accumulates_without_counting():
+    lin = torch.nn.Linear(4, 4)
+    engine = DataParallelEngine(lin, DDPOptions())
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    with engine.no_sync():
+        lin(xs[0]).sum().backward()
+        lin(xs[1]).sum().backward()
+    assert engine.bucket_of[lin.weight].counts[lin.weight] == 0
+    lin(xs[2]).sum().backward()
+    engine.finish_grad_sync()
+    ref = torch.nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+    for x in xs:
+        ref(x).sum().backward()
+    torch.testing.assert_close(lin.weight.main_grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_main_grad_is_a_view_of_one_contiguous_buffer():
+    model = em.Stack(em.SeedLayer, 8, 2, recompute=False)
+    engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=0.0005))
+    assert len(engine.buffers_) == 1
+    buf = engine.buffers_[0].data
+    total = 0
+    for p in model.parameters():
+        assert p.main_grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        total += p.numel()
+    assert buf.numel() == total
+    assert len(engine.buckets) > 1
+    # the last parameter sits at the start of the buffer (reverse layout: buckets fill in backward order)
+    last = list(model.parameters())[-1]
+    assert last.main_grad.data_ptr() == buf.data_ptr()

@@ -5,22 +5,22 @@ as on a GPU; the cuda test checks real graphs."""
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 
-import cg_lightning
 from cg_lightning.ddp import GradSyncError
 from cg_lightning.graphs import GraphCaptureError
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
-from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff, train_in_process
+from tests.helpers import (
+    DATA, DEVICES, MODEL, cg_strategy, fit_gpt, make_trainer, max_rel_diff, state_rel_diff, train_in_process,
+    train_subprocess,
+)
 
-WARMUP = 2
-DEVICES = [pytest.param("cpu", "eager", id="cpu"), pytest.param("gpu", "cuda", marks=pytest.mark.cuda, id="cuda")]
+TEXT = dict(DATA, max_bytes=300_000)
 
 
 def _cg(backend="eager", direct=True, **graphs):
-    return cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"warmup_steps": WARMUP, "backend": backend, "direct_grad_ready": direct, **graphs})
+    return cg_strategy(backend, direct_grad_ready=direct, **graphs)
 
 
 def _block_params(model, i):
@@ -32,7 +32,7 @@ def _block_params(model, i):
 def test_block_parameters_reported_by_their_replay_equal_ddp(accelerator, backend, segments):
     """4-block GPT, 10 steps: every block parameter loses its edge after the first replayed step; losses and
     weights equal "ddp" (1e-6) and the grad-ready counts equal those of the same run with edges."""
-    kw = dict(steps=10, accelerator=accelerator, model_kwargs=dict(n_layer=4, d_model=32, n_head=2, block_size=16))
+    kw = dict(steps=10, accelerator=accelerator, model_kwargs=dict(MODEL, n_layer=4))
     ref_model, ref, _ = train_in_process("ddp", **kw)
     edges = _cg(backend, direct=False, segments=segments)
     _, with_edges, _ = train_in_process(edges, **kw)
@@ -52,7 +52,7 @@ def test_block_applied_twice_keeps_its_edges():
     """block_schedule [0, 0, 1]: block 0's parameters are reached by two replays, so they keep their edges
     (one report per outer backward, as eager); block 1's are reported directly. Counts equal the run with
     edges, values equal "ddp" (1e-6)."""
-    kw = dict(steps=8, model_kwargs=dict(n_layer=2, d_model=32, n_head=2, block_size=16, block_schedule=[0, 0, 1]))
+    kw = dict(steps=8, model_kwargs=dict(MODEL, block_schedule=[0, 0, 1]))
     ref_model, ref, _ = train_in_process("ddp", **kw)
     _, with_edges, _ = train_in_process(_cg(direct=False), **kw)
     strategy = _cg()
@@ -70,7 +70,7 @@ def test_graphed_glue_embeddings_keep_their_edges():
     parameter is reported by its replay. Values equal "ddp" (1e-6). Found while trying this: without the
     rule the embeddings never reported ready."""
     layers = ["model.tok_emb", "model.pos_emb", "model.blocks.*", "model.ln_f", "model.lm_head"]
-    kw = dict(steps=8, model_kwargs=dict(n_layer=2, d_model=32, n_head=2, block_size=16))
+    kw = dict(steps=8, model_kwargs=MODEL)
     ref_model, ref, _ = train_in_process("ddp", **kw)
     strategy = _cg(layers=layers)
     model, rec, _ = train_in_process(strategy, **kw)
@@ -98,13 +98,8 @@ class _SharedHead(GPTLightningModule):
 
 
 def _fit_shared(strategy, only_at_step=None, steps=8):
-    seed_everything(7, workers=True)
-    model = _SharedHead(only_at_step=only_at_step, n_layer=2, d_model=32, n_head=2, block_size=16, lr=3e-3)
-    rec = GradRecorder()
-    Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[rec]).fit(
-        model, datamodule=TextDataModule(block_size=16, batch_size=4, max_bytes=300_000))
+    model, rec, _, _ = fit_gpt(strategy, steps, model_cls=_SharedHead, model_kwargs=dict(only_at_step=only_at_step),
+                               data=TEXT)
     return model, rec
 
 
@@ -139,8 +134,6 @@ def test_two_processes_gloo_direct_grad_ready_equals_ddp(tmp_path):
     """2 processes (gloo), 4-block GPT with segments, 12 steps: with direct grad-ready the buckets still
     complete and reduce on both ranks; losses and weights equal Lightning "ddp" (1e-5) and every parameter
     reports once per step."""
-    from tests.helpers import train_subprocess
-
     common = ["--devices", "2", "--steps", "12", "--n-layer", "4", "--d-model", "32", "--n-head", "2",
               "--block-size", "16"]
     ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp", *common)
@@ -155,7 +148,7 @@ def test_two_processes_gloo_direct_grad_ready_equals_ddp(tmp_path):
 def test_candidates_wait_for_a_step_whose_calls_replayed():
     """The first step after capture runs its calls eagerly (a smaller batch there, shape_policy="eager"): the
     candidates stay pending and are confirmed at the next step that replays, instead of being dropped."""
-    kw = dict(steps=9, model_kwargs=dict(n_layer=2, d_model=32, n_head=2, block_size=32),
+    kw = dict(steps=9, model_kwargs=dict(MODEL, block_size=32),
               data_kwargs=dict(max_bytes=400, drop_last=False))  # batch sizes 4 4 2 | 4 4 2 | ...
     ref_model, ref, _ = train_in_process("ddp", **kw)
     strategy = _cg(shape_policy="eager")  # capture at step 2, the 2-sample batch
@@ -178,14 +171,11 @@ def test_freezing_a_directly_reported_parameter_later_is_a_named_error():
     """Freezing a parameter after its replay took over reporting it: on a GPU nothing else would notice (no
     autograd edge goes silent) while the graph keeps adding into its main_grad, so the next replay refuses,
     naming the layer, the parameter and the option."""
-    kw = dict(steps=8, model_kwargs=dict(n_layer=2, d_model=32, n_head=2, block_size=16))
     seed_everything(7, workers=True)
-    model = GPTLightningModule(**kw["model_kwargs"], lr=3e-3)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=_cg(), max_steps=8, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[_FreezeAt()])
+    model = GPTLightningModule(**MODEL)
+    trainer = make_trainer(_cg(), 8, [_FreezeAt()])
     with pytest.raises(GraphCaptureError, match=r"'model\.blocks\.1'.*'fc_out\.weight'.*frozen.*direct_grad_ready"):
-        trainer.fit(model, datamodule=TextDataModule(block_size=16, batch_size=4, max_bytes=300_000))
+        trainer.fit(model, datamodule=TextDataModule(**TEXT))
 
 
 class _Core:

@@ -6,28 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import seed_everything
 
-import cg_lightning
 from cg_lightning.callbacks import CUDAGraphCallback
 from cg_lightning.graphs import GraphManager, GraphOptions
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
-from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff
-from tests.test_lifecycle import DATA, DEVICES, MODEL, N_LAYER, WARMUP, _EvalGPT, _Lifecycle
-
-
-def _fit(name, steps, callbacks=(), accelerator="cpu", backend="eager", capture_eval=True, **kw):
-    seed_everything(7, workers=True)
-    model = GPTLightningModule(**MODEL)
-    strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"warmup_steps": WARMUP, "backend": backend, "capture_eval": capture_eval})
-    rec = GradRecorder()
-    trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[rec, *callbacks], **kw)
-    trainer.fit(model, datamodule=TextDataModule(**DATA))
-    return model, rec, trainer
+from tests.helpers import (
+    DATA, DEVICES, MODEL, N_LAYER, WARMUP, EvalGPT, cg_strategy, fit_gpt, make_trainer, max_rel_diff, state_rel_diff,
+    strategy_for,
+)
+from tests.recorders import LifecycleRecorder
 
 
 @pytest.mark.parametrize("accelerator,backend", DEVICES)
@@ -38,9 +27,10 @@ def test_validation_and_sanity_check_replay_eval_graphs_like_ddp(accelerator, ba
     training batch after a validation run starts with no gradient pending."""
     steps = 7
     kw = dict(val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=2)
-    ref_life, life = _Lifecycle(), _Lifecycle()
-    ref_model, ref, _ = _fit("ddp", steps, callbacks=[ref_life], accelerator=accelerator, **kw)
-    model, rec, trainer = _fit("cg", steps, callbacks=[life], accelerator=accelerator, backend=backend, **kw)
+    ref_life, life = LifecycleRecorder(), LifecycleRecorder()
+    ref_model, ref, _, _ = fit_gpt("ddp", steps, callbacks=[ref_life], accelerator=accelerator, **kw)
+    model, rec, trainer, _ = fit_gpt(strategy_for("cg", backend, capture_eval=True), steps, callbacks=[life],
+                                     accelerator=accelerator, **kw)
     stats = trainer.strategy.last_graph_stats
     val_batches = sum(r[1] for r in life.val_runs)
     print(f"eval graphs: val loss diff {max_rel_diff(life.val_losses, ref_life.val_losses):.1e}, "
@@ -65,16 +55,9 @@ def test_validate_test_predict_after_fit_replay_eval_graphs(accelerator, backend
     give the numbers of the same calls under "ddp" (1e-5)."""
     out = {}
     for name in ("ddp", "cg"):
-        seed_everything(7, workers=True)
-        model = _EvalGPT(**MODEL)
-        data = TextDataModule(**DATA)
-        strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
-            graphs={"warmup_steps": WARMUP, "backend": backend, "capture_eval": True})
-        trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=4, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          num_sanity_val_steps=0, limit_val_batches=3, limit_test_batches=3,
-                          limit_predict_batches=3)
-        trainer.fit(model, datamodule=data)
+        model, _, trainer, data = fit_gpt(strategy_for(name, backend, capture_eval=True), 4, model_cls=EvalGPT,
+                                          accelerator=accelerator, limit_val_batches=3, limit_test_batches=3,
+                                          limit_predict_batches=3)
         loader = data.val_dataloader()
         stats = []
         val = trainer.validate(model, datamodule=data, verbose=False)
@@ -184,11 +167,8 @@ def test_callback_sets_capture_eval_and_monitor_logs_eval_replays(tmp_path):
     cb = CUDAGraphCallback(capture_eval=True)
     assert cb.overrides == {"capture_eval": True}
     seed_everything(7, workers=True)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=6, val_check_interval=3, limit_val_batches=3,
-                      num_sanity_val_steps=0, log_every_n_steps=1, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, logger=CSVLogger(tmp_path),
-                      strategy=cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": "eager"}),
-                      callbacks=[cb, GraphMonitor(log_every_n_steps=1)])
+    trainer = make_trainer(cg_strategy(), 6, [cb, GraphMonitor(log_every_n_steps=1)], val_check_interval=3,
+                           limit_val_batches=3, log_every_n_steps=1, logger=CSVLogger(tmp_path))
     trainer.fit(GPTLightningModule(**MODEL), datamodule=TextDataModule(**DATA))
     assert trainer.strategy.graph_options.capture_eval is True
     assert trainer.strategy.last_graph_stats.eval_replays == N_LAYER * (2 * 3 - 1)

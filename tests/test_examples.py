@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 
 from examples.data import TextDataModule
 from examples.gpt import GPT, Block, GPTLightningModule
+from tests.helpers import make_trainer
 
 # ---------------------------------------------------------------------- model
 
@@ -246,12 +247,7 @@ def test_short_fit_reduces_loss():
     model = GPTLightningModule(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64,
                                lr=3e-3)
     rec = _LossRecorder()
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy="auto", max_steps=30,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2,
-        callbacks=[rec],
-    )
+    trainer = make_trainer("auto", 30, [rec], limit_val_batches=2)
     trainer.fit(model, datamodule=dm)
     assert len(rec.losses) == 30
     first, last = np.mean(rec.losses[:3]), np.mean(rec.losses[-3:])

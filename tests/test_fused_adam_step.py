@@ -10,16 +10,12 @@ import copy
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
 
-import cg_lightning
 from cg_lightning.optim.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
 from cg_lightning.optim.step_graph import step_replaced
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
-from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff
+from tests.helpers import DEVICES, MODEL, cg_strategy, fit_gpt, max_rel_diff, state_rel_diff
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+TORCH_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def _params(device, n=7, seed=0):
@@ -73,7 +69,7 @@ class _Pair:
                 assert torch.equal(ref_state[key], state[key]), f"parameter {i} state {key!r}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TORCH_DEVICES)
 @pytest.mark.parametrize("cls,extra", [
     (torch.optim.AdamW, {}),
     (torch.optim.AdamW, {"amsgrad": True}),
@@ -201,29 +197,22 @@ def test_refusal_names_the_reason():
     assert "MyAdamW is not" in fused_adam_refusal(MyAdamW(params, fused=True))
 
 
-MODEL = dict(n_layer=2, d_model=32, n_head=2, block_size=16, lr=3e-3, warmup_lr_steps=4, fused=True)
-DATA = dict(block_size=16, batch_size=4, max_bytes=100_000)
+FUSED_MODEL = dict(MODEL, warmup_lr_steps=4, fused=True)
 
 
 def _fit(strategy, steps, accelerator, **trainer_kwargs):
-    seed_everything(7, workers=True)
-    model = GPTLightningModule(**MODEL)
-    rec = GradRecorder()
-    trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[rec], **trainer_kwargs)
-    trainer.fit(model, datamodule=TextDataModule(**DATA))
+    model, rec, trainer, _ = fit_gpt(strategy, steps, model=FUSED_MODEL, accelerator=accelerator, **trainer_kwargs)
     return model, rec, trainer
 
 
-@pytest.mark.parametrize("accelerator,backend", [("cpu", "eager"), pytest.param("gpu", "cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("accelerator,backend", DEVICES)
 def test_strategy_defaults_step_fused_adamw_on_cached_lists_like_ddp(accelerator, backend):
     """GPT with fused AdamW, a warmup schedule and norm clipping, 10 steps: cudagraph_ddp's defaults (segments,
     direct grad-ready, the cached step) against Lightning "ddp": losses and weights equal within 1e-6 (CPU:
     identical); every optimizer step after the first ran on cached lists."""
     steps = 10
     ref_model, ref, _ = _fit("ddp", steps, accelerator, gradient_clip_val=0.05)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": backend})
+    strategy = cg_strategy(backend)
     model, rec, trainer = _fit(strategy, steps, accelerator, gradient_clip_val=0.05)
     loss_diff = max_rel_diff(rec.losses, ref.losses)
     weight_diff = state_rel_diff(model.state_dict(), ref_model.state_dict())

@@ -11,73 +11,10 @@ import pytest
 import torch
 
 from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
-from cg_lightning.graphs import GraphManager, GraphOptions
 from tests import engine_models as em
-
-BACKENDS = [
-    pytest.param("eager", "cpu", id="eager-cpu"),
-    pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
-]
-LR = 0.05
-
-
-def _data(steps, d, device):
-    g = torch.Generator().manual_seed(1)
-    return [torch.randn(8, d, generator=g).to(device) for _ in range(steps)]
-
-
-def eager_reference(layer_cls, steps=4, d=16, n=2, device="cpu", repeat=1):
-    torch.manual_seed(0)
-    model = em.Stack(layer_cls, d, n, recompute=False, repeat=repeat).to(device)
-    grads = []
-    for x in _data(steps, d, device):
-        model.zero_grad(set_to_none=True)
-        model(x).backward()
-        grads.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= LR * p.grad
-    return grads, model
-
-
-def graphed_run(layer_cls, backend, device, steps=4, d=16, n=2, warmup_steps=1, recompute=True, repeat=1,
-                graphs=True, **opts):
-    """Train with the DDP engine; with ``graphs`` the layers are graphed (else eager, real recomputation)."""
-    torch.manual_seed(0)
-    model = em.Stack(layer_cls, d, n, recompute=recompute, repeat=repeat).to(device)
-    options = GraphOptions(warmup_steps=warmup_steps, backend=backend, layers=["layers.*"], enabled=graphs, **opts)
-    manager = GraphManager(model, options, torch.device(device))
-    engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
-    manager.bind_grad_ready(engine.grad_ready)
-    grads, counts = train_steps(manager, engine, model, _data(steps, d, device))
-    return grads, counts, manager, engine, model
-
-
-def train_steps(manager, engine, model, batches):
-    """SGD steps of ``engine`` over ``batches`` with ``manager``'s graphs; returns each step's ``main_grad`` by name
-    (after the all-reduce) and each step's grad-ready count by parameter name."""
-    grads, counts = [], []
-    for step, x in enumerate(batches):
-        manager.begin_step(step)
-        engine(x).backward()
-        manager.end_step()
-        counts.append({engine.names[p]: c for b in engine.buckets for p, c in b.counts.items()})
-        engine.finish_grad_sync()
-        grads.append({k: p.main_grad.detach().clone() for k, p in model.named_parameters()})
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= LR * p.main_grad
-        engine.zero_grad_buffer()
-    return grads, counts
-
-
-def _assert_grads_equal(got, ref, tol=1e-6):
-    assert len(got) == len(ref)
-    for step, (g, r) in enumerate(zip(got, ref)):
-        assert g.keys() == r.keys()
-        for name in r:
-            torch.testing.assert_close(g[name], r[name], rtol=tol, atol=tol, msg=f"step {step}: {name}")
-
+from tests.engine_models import (
+    BACKENDS, LR, assert_grads_equal, batches, eager_reference, graph_manager, graphed_engine, graphed_run,
+)
 
 LAYERS = [em.SeedLayer, em.InsideOutsideLayer, em.RepeatedNestedLayer, em.TorchReentrantLayer,
           em.CgCheckpointLayer, em.TorchNonReentrantLayer]
@@ -90,7 +27,7 @@ def test_graphed_main_grad_equals_eager(layer_cls, backend, device):
     got, _, manager, _, _ = graphed_run(layer_cls, backend, device)
     assert manager.stats.captured_runners == 2
     assert manager.stats.forward_replays == 2 * 3  # steps 1..3 replay both layers
-    _assert_grads_equal(got, ref)
+    assert_grads_equal(got, ref)
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -106,7 +43,7 @@ def test_ready_counts_equal_eager_every_step(layer_cls, repeat, backend, device)
     got, counts, manager, _, _ = graphed_run(layer_cls, backend, device, repeat=repeat)
     assert manager.stats.captured_runners == 2 * repeat
     assert manager.stats.forward_replays == 2 * repeat * 3
-    _assert_grads_equal(got, ref)
+    assert_grads_equal(got, ref)
     for step, (c, e) in enumerate(zip(counts, eager_counts)):
         assert c == e, f"step {step}: graphed counts {c} != eager counts {e}"
     assert counts[0] == counts[-1]
@@ -135,7 +72,7 @@ def test_warmup_steps_zero_still_discovers_hidden_parameter():
     got, _, manager, _, _ = graphed_run(em.SeedLayer, "eager", "cpu", warmup_steps=0)
     runner = next(iter(manager.runners.values()))
     assert runner.hidden_params
-    _assert_grads_equal(got, ref)
+    assert_grads_equal(got, ref)
 
 
 def test_inside_outside_weight_counts_twice_and_sums_once():
@@ -143,7 +80,7 @@ def test_inside_outside_weight_counts_twice_and_sums_once():
     reports ready twice per step (outer backward + nested backward), eager and replayed alike."""
     ref, _ = eager_reference(em.InsideOutsideLayer)
     got, counts, _, _, _ = graphed_run(em.InsideOutsideLayer, "eager", "cpu")
-    _assert_grads_equal(got, ref)
+    assert_grads_equal(got, ref)
     for step_counts in counts:
         assert step_counts["layers.0.shared.weight"] == 2
 
@@ -207,11 +144,11 @@ def test_foreign_parameter_not_added_to_layer_inputs():
         torch.manual_seed(0)
         model = Model(recompute=graphed)
         engine = DataParallelEngine(model, DDPOptions())
-        manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager"), torch.device("cpu")) if graphed else None
+        manager = graph_manager(model) if graphed else None
         if manager:
             manager.bind_grad_ready(engine.grad_ready)
         out = []
-        for step, x in enumerate(_data(3, 16, "cpu")):
+        for step, x in enumerate(batches(3, 16, "cpu")):
             if manager:
                 manager.begin_step(step)
             engine(x).backward()
@@ -224,80 +161,14 @@ def test_foreign_parameter_not_added_to_layer_inputs():
     got, manager, model = run(True)
     runner = next(iter(manager.runners.values()))
     assert all(p is not model.shared.weight and p is not model.shared.bias for p in runner.params_to_backprop)
-    _assert_grads_equal(got, ref)
-
-
-def test_missing_gradient_is_a_named_error():
-    torch.manual_seed(0)
-    model = em.Stack(em.SeedLayer, 16, 2, recompute=False)
-    engine = DataParallelEngine(model, DDPOptions())
-    x = torch.randn(4, 16)
-    engine(x).backward()
-    engine.finish_grad_sync()
-    engine.zero_grad_buffer()
-    # next iteration: skip the last layer, its parameters never report ready
-    h = model.inp(x)
-    h = model.layers[0](h)
-    model.head(h).pow(2).mean().backward()
-    with pytest.raises(GradSyncError, match=r"layers\.1\.projection\.weight \(ready 0 times, expected 1\)"):
-        engine.finish_grad_sync()
-
-
-def test_grad_added_to_main_grad_skips_add_and_reports_ready():
-    lin = torch.nn.Linear(4, 4)
-    engine = DataParallelEngine(lin, DDPOptions())
-    lin(torch.randn(2, 4)).sum().backward()
-    engine.finish_grad_sync()
-    first = lin.weight.main_grad.clone()
-    engine.zero_grad_buffer()
-    lin.weight.grad_added_to_main_grad = True
-    lin.weight.main_grad.fill_(7.0)
-    lin(torch.randn(2, 4)).sum().backward()
-    assert lin.weight.grad is None and lin.weight.grad_added_to_main_grad is False
-    assert torch.all(lin.weight.main_grad == 7.0)
-    assert engine.bucket_of[lin.weight].counts[lin.weight] == 1
-    engine.finish_grad_sync()
-    assert not torch.equal(first, lin.weight.main_grad)
-
-
-def test_no_sync_accumulates_without_counting():
-    lin = torch.nn.Linear(4, 4)
-    engine = DataParallelEngine(lin, DDPOptions())
-    xs = [torch.randn(2, 4) for _ in range(3)]
-    with engine.no_sync():
-        lin(xs[0]).sum().backward()
-        lin(xs[1]).sum().backward()
-    assert engine.bucket_of[lin.weight].counts[lin.weight] == 0
-    lin(xs[2]).sum().backward()
-    engine.finish_grad_sync()
-    ref = torch.nn.Linear(4, 4)
-    ref.load_state_dict(lin.state_dict())
-    for x in xs:
-        ref(x).sum().backward()
-    torch.testing.assert_close(lin.weight.main_grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
-
-
-def test_main_grad_is_a_view_of_one_contiguous_buffer():
-    model = em.Stack(em.SeedLayer, 8, 2, recompute=False)
-    engine = DataParallelEngine(model, DDPOptions(bucket_size_mb=0.0005))
-    assert len(engine.buffers_) == 1
-    buf = engine.buffers_[0].data
-    total = 0
-    for p in model.parameters():
-        assert p.main_grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-        total += p.numel()
-    assert buf.numel() == total
-    assert len(engine.buckets) > 1
-    # the last parameter sits at the start of the buffer (reverse layout: buckets fill in backward order)
-    last = list(model.parameters())[-1]
-    assert last.main_grad.data_ptr() == buf.data_ptr()
+    assert_grads_equal(got, ref)
 
 
 def test_shape_policy_eager_and_error():
     torch.manual_seed(0)
     model = em.Stack(em.SeedLayer, 16, 1, recompute=True)
     engine = DataParallelEngine(model, DDPOptions())
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager"), torch.device("cpu"))
+    manager = graph_manager(model)
     manager.bind_grad_ready(engine.grad_ready)
     for step in range(2):
         manager.begin_step(step)
@@ -347,7 +218,7 @@ def test_host_sync_inside_a_graphed_layer_is_a_named_error(layer_cls, what):
 
     torch.manual_seed(0)
     model = em.Stack(layer_cls, 16, 2)
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    manager = graph_manager(model, layers=["layers.*"])
     manager.begin_step(0)
     model(torch.randn(4, 16)).backward()
     manager.begin_step(1)
@@ -360,7 +231,7 @@ def test_hooks_on_submodules_are_refused_at_capture():
 
     model = em.Stack(em.SeedLayer, 16, 1, recompute=False)
     model.layers[0].projection.register_forward_hook(lambda *a: None)
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    manager = graph_manager(model, layers=["layers.*"])
     manager.begin_step(0)
     model(torch.randn(4, 16)).backward()
     manager.begin_step(1)
@@ -378,7 +249,7 @@ def test_gradient_hooks_on_parameters_of_a_graphed_layer_are_refused_before_warm
     model = em.Stack(em.SeedLayer, 16, 1, recompute=False)
     calls = []
     getattr(model.layers[0].projection.weight, kind)(lambda t: calls.append(t is None))
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    manager = graph_manager(model, layers=["layers.*"])
     manager.begin_step(0)
     model(torch.randn(4, 16)).backward()
     seen = list(calls)
@@ -408,12 +279,9 @@ def test_weight_of_a_graphed_layer_also_used_outside_graphs():
     def run(graphed):
         torch.manual_seed(0)
         model = Model()
-        manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"],
-                                                   enabled=graphed), torch.device("cpu"))
-        engine = DataParallelEngine(model, DDPOptions())
-        manager.bind_grad_ready(engine.grad_ready)
+        manager, engine = graphed_engine(model, layers=["layers.*"], enabled=graphed)
         grads, counts = [], []
-        for step, x in enumerate(_data(4, 16, "cpu")):
+        for step, x in enumerate(batches(4, 16, "cpu")):
             manager.begin_step(step)
             engine(x).backward()
             manager.end_step()
@@ -429,7 +297,7 @@ def test_weight_of_a_graphed_layer_also_used_outside_graphs():
     ref, ref_counts, _ = run(False)
     got, counts, manager = run(True)
     assert manager.stats.forward_replays == 2 * 3
-    _assert_grads_equal(got, ref)
+    assert_grads_equal(got, ref)
     assert counts == ref_counts == [1] * 4
 
 
@@ -440,9 +308,7 @@ def _seed_stack_trained(steps: int, recompute: bool, frozen: str = ""):
     model = em.Stack(em.SeedLayer, 16, 2, recompute=recompute)
     if frozen:
         getattr(model.layers[1], frozen).weight.requires_grad_(False)
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
-    engine = DataParallelEngine(model, DDPOptions())
-    manager.bind_grad_ready(engine.grad_ready)
+    manager, engine = graphed_engine(model, layers=["layers.*"])
     for step in range(steps):
         manager.begin_step(step)
         engine(torch.randn(4, 16)).backward()
@@ -514,12 +380,9 @@ def test_output_that_is_an_input_replays_like_eager():
     def run(graphed):
         torch.manual_seed(0)
         model = Model()
-        manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"],
-                                                   enabled=graphed), torch.device("cpu"))
-        engine = DataParallelEngine(model, DDPOptions())
-        manager.bind_grad_ready(engine.grad_ready)
+        manager, engine = graphed_engine(model, layers=["layers.*"], enabled=graphed)
         out = []
-        for step, x in enumerate(_data(4, 16, "cpu")):
+        for step, x in enumerate(batches(4, 16, "cpu")):
             manager.begin_step(step)
             engine(x).backward()
             manager.end_step()
@@ -531,7 +394,7 @@ def test_output_that_is_an_input_replays_like_eager():
     ref, _ = run(False)
     got, manager = run(True)
     assert manager.stats.forward_replays == 2 * 3
-    _assert_grads_equal(got, ref)
+    assert_grads_equal(got, ref)
 
 
 class _InplaceOnInput(torch.nn.Module):
@@ -551,12 +414,9 @@ def test_capture_failure_in_warmup_is_named_and_can_fall_back():
     def run(graphed, on_error="raise"):
         torch.manual_seed(0)
         model = em.Stack(_InplaceOnInput, 16, 2)
-        manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"],
-                                                   enabled=graphed, on_capture_error=on_error), torch.device("cpu"))
-        engine = DataParallelEngine(model, DDPOptions())
-        manager.bind_grad_ready(engine.grad_ready)
+        manager, engine = graphed_engine(model, layers=["layers.*"], enabled=graphed, on_capture_error=on_error)
         out = []
-        for step, x in enumerate(_data(3, 16, "cpu")):
+        for step, x in enumerate(batches(3, 16, "cpu")):
             manager.begin_step(step)
             engine(x).backward()
             engine.finish_grad_sync()
@@ -568,7 +428,7 @@ def test_capture_failure_in_warmup_is_named_and_can_fall_back():
         run(True)
     with pytest.warns(UserWarning, match=r"layers\.0"):
         got = run(True, "eager")
-    _assert_grads_equal(got, run(False))
+    assert_grads_equal(got, run(False))
 
 
 def test_graphed_layer_inside_non_reentrant_checkpoint_is_refused():
@@ -577,7 +437,7 @@ def test_graphed_layer_inside_non_reentrant_checkpoint_is_refused():
 
     torch.manual_seed(0)
     model = em.Stack(em.SeedLayer, 16, 1, recompute=False)
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]), torch.device("cpu"))
+    manager = graph_manager(model, layers=["layers.*"])
 
     def loss(x):
         h = tcp.checkpoint(model.layers[0], model.inp(x), use_reentrant=False)

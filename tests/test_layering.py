@@ -1,18 +1,21 @@
 """Layering that holds at run time: the engine packages load torch only, and ``import cg_lightning`` still
-registers the strategy with Lightning, whichever of the two is imported first. Each case runs in a fresh
-interpreter (what an earlier test imported would hide a violation)."""
+registers the strategy with each Lightning package (``lightning.pytorch``, ``pytorch_lightning``), whichever is
+imported first. Each case runs in a fresh interpreter (what an earlier test imported would hide a violation)."""
 
 import ast
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.helpers import ROOT
 
-FRONT_ENDS = ("lightning", "pytorch_lightning", "accelerate", "omegaconf")
+FRONT_ENDS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "omegaconf")
 TORCH_ONLY = ("graphs", "ddp", "optim")
-TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py")
+TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py", "option_checks.py")
 
 
 def _run(code: str) -> str:
@@ -37,7 +40,7 @@ def test_engine_packages_load_no_front_end_at_run_time():
     out = _run(textwrap.dedent("""
         import importlib, pkgutil
         import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol, cg_lightning.phase
-        import cg_lightning.torch_compat, cg_lightning.optim
+        import cg_lightning.torch_compat, cg_lightning.optim, cg_lightning.option_checks
         for pkg in (cg_lightning.graphs, cg_lightning.ddp, cg_lightning.optim):
             for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 importlib.import_module(info.name)
@@ -60,26 +63,49 @@ def test_engine_packages_import_no_front_end_anywhere():
                 assert mod.split(".")[0] not in FRONT_ENDS, f"{os.path.relpath(path, ROOT)} imports {mod}"
 
 
-def test_import_cg_lightning_then_lightning_registers_the_strategy():
-    out = _run("""
+HAS_PL = importlib.util.find_spec("pytorch_lightning") is not None
+#: Lightning package -> the module of its strategy class
+STRATEGY_MODULES = {"lightning.pytorch": "cg_lightning.strategy", "pytorch_lightning": "cg_lightning.pytorch_lightning"}
+INSTALLED = [p for p in STRATEGY_MODULES if p != "pytorch_lightning" or HAS_PL]
+_PACKAGES = [
+    pytest.param(package, module, id=package, marks=pytest.mark.skipif(
+        package not in INSTALLED, reason="pytorch_lightning is not installed"))
+    for package, module in STRATEGY_MODULES.items()
+]
+
+_TRAIN = textwrap.dedent("""
+    from {package} import Trainer
+    trainer = Trainer(strategy="cudagraph_ddp", accelerator="cpu", devices=1, logger=False)
+    print("STRATEGY", type(trainer.strategy).__module__, type(trainer.strategy).__name__)
+""")
+
+
+@pytest.mark.parametrize("package, module", _PACKAGES)
+def test_import_cg_lightning_then_lightning_registers_the_strategy(package, module):
+    out = _run(textwrap.dedent(f"""
         import cg_lightning
         import sys
-        assert "lightning.pytorch" not in sys.modules
-        from lightning.pytorch import Trainer
-        trainer = Trainer(strategy="cudagraph_ddp", accelerator="cpu", devices=1, logger=False)
-        print("STRATEGY", type(trainer.strategy).__name__)
-    """)
-    assert "STRATEGY CUDAGraphDDPStrategy" in out, out
+        assert {package!r} not in sys.modules
+    """) + _TRAIN.format(package=package))
+    assert f"STRATEGY {module} CUDAGraphDDPStrategy" in out, out
 
 
-def test_import_lightning_then_cg_lightning_registers_the_strategy():
-    out = _run("""
-        from lightning.pytorch import Trainer
+@pytest.mark.parametrize("package, module", _PACKAGES)
+def test_import_lightning_then_cg_lightning_registers_the_strategy(package, module):
+    out = _run(textwrap.dedent(f"""
+        import {package}
         import cg_lightning
-        trainer = Trainer(strategy="cudagraph_ddp", accelerator="cpu", devices=1, logger=False)
-        print("STRATEGY", type(trainer.strategy).__name__)
-    """)
-    assert "STRATEGY CUDAGraphDDPStrategy" in out, out
+    """) + _TRAIN.format(package=package))
+    assert f"STRATEGY {module} CUDAGraphDDPStrategy" in out, out
+
+
+@pytest.mark.parametrize("package, module", _PACKAGES)
+def test_importing_a_strategy_module_first_registers_every_package(package, module):
+    """A strategy module imports its Lightning package itself (and the ``pytorch_lightning`` one the shared body
+    with ``lightning.pytorch``): each installed package gets the name, with its own class."""
+    out = _run(f"import {module}\n" + "".join(_TRAIN.format(package=p) for p in INSTALLED))
+    for p in INSTALLED:
+        assert f"STRATEGY {STRATEGY_MODULES[p]} CUDAGraphDDPStrategy" in out, out
 
 
 def test_public_names_resolve_lazily():

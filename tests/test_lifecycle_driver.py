@@ -27,9 +27,8 @@ from cg_lightning.lifecycle import (
     apply_graphs,
     build_driver,
 )
+from tests.helpers import ROOT, WARMUP
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WARMUP = 2
 STEPS = 7
 
 

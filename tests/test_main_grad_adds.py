@@ -3,12 +3,13 @@ multi-tensor kernels, with the same additions in the same order as one ``add_`` 
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 
 import cg_lightning
 from cg_lightning.graphs.main_grad_adds import MainGradAdds
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
+from tests.helpers import DATA, MODEL, make_trainer, strategy_for
 
 
 class _CountForeachAdds:
@@ -86,19 +87,14 @@ def test_a_segment_adds_its_members_gradients_in_one_kernel(monkeypatch, segment
     """The example GPT's 4 blocks chained into one segment: one multi-tensor addition into ``main_grad`` per
     step for all 48 block parameters (the backward graph's last body); per-layer graphs: one per block. The
     losses equal Lightning "ddp" exactly either way (same seed and data, 6 steps)."""
-    kw = dict(n_layer=4, d_model=32, n_head=2, block_size=16)
-    data = dict(block_size=16, batch_size=4, max_bytes=100_000)
     losses = {}
     for name in ("ddp", "cg"):
         seed_everything(3, workers=True)
-        model = GPTLightningModule(**kw)
+        model = GPTLightningModule(**dict(MODEL, n_layer=4))
         count = _CountMainGradAddsPerStep(monkeypatch, step=4)
-        strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
-            graphs={"warmup_steps": 2, "backend": "eager", "segments": segments})
-        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=6, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          callbacks=[count] if name == "cg" else [])
-        trainer.fit(model, datamodule=TextDataModule(**data))
+        trainer = make_trainer(strategy_for(name, segments=segments), 6, [count] if name == "cg" else [],
+                               validation=True)
+        trainer.fit(model, datamodule=TextDataModule(**DATA))
         losses[name] = trainer.callback_metrics["train_loss"].item()
     assert trainer.strategy.last_graph_stats.forward_replays > 0
     assert count.kernels() == kernels
@@ -175,9 +171,7 @@ def _fit_fused_then_recomputing(graphs):
     seed_everything(0)
     model = Model()
     model.losses = []
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=8, accumulate_grad_batches=2, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      strategy=cg_lightning.CUDAGraphDDPStrategy(graphs=graphs))
+    trainer = make_trainer(cg_lightning.CUDAGraphDDPStrategy(graphs=graphs), 8, accumulate_grad_batches=2)
     trainer.fit(model)
     return model, trainer
 

@@ -8,13 +8,12 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, _DIST_VARS, free_port
+from tests.helpers import ROOT, local_master, subprocess_env
 
 
 @pytest.mark.timeout(600)
 def test_cli_main_job_loss_falls(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = subprocess_env(**local_master())
     cmd = [
         sys.executable, "-m", "cg_lightning", "fit", "--config", "configs/gpt_tiny.yaml",
         "trainer.max_steps=60", "trainer.val_check_interval=30", "trainer.limit_val_batches=2",
@@ -58,8 +57,7 @@ def test_cli_refuses_graph_layers_that_match_nothing():
 def test_cli_refuses_data_windows_longer_than_the_model_context(tmp_path):
     """data.init_args.block_size above the model's: one error line naming both keys, exit 2, before any
     training step (it failed inside the first forward with a traceback before)."""
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = subprocess_env(**local_master())
     proc = subprocess.run(
         [sys.executable, "-m", "cg_lightning", "fit", "--config", "configs/gpt_tiny.yaml",
          "data.init_args.block_size=256", "data.init_args.max_bytes=600000", f"trainer.default_root_dir={tmp_path}",

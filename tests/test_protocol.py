@@ -9,10 +9,9 @@ import tokenize
 import torch
 
 from cg_lightning.ddp import DataParallelEngine, DDPOptions
-from cg_lightning.graphs import GraphManager, GraphOptions
 from tests import engine_models as em
+from tests.engine_models import assert_grads_equal, batches, eager_reference, graph_manager, train_steps
 from tests.source_checks import PACKAGE, offenders
-from tests.test_graph_engine import _assert_grads_equal, _data, eager_reference, train_steps
 
 CONTRACT = {"main_grad", "grad_added_to_main_grad", "skip_backward_post_hook"}
 
@@ -59,8 +58,7 @@ def test_two_engines_over_one_model_keep_separate_reporters():
     ref, _ = eager_reference(em.TorchReentrantLayer)
     torch.manual_seed(0)
     model = em.Stack(em.TorchReentrantLayer, 16, 2, recompute=True)
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]),
-                           torch.device("cpu"))
+    manager = graph_manager(model, layers=["layers.*"])
     first = DataParallelEngine(model, DDPOptions())
     engine = DataParallelEngine(model, DDPOptions())
     weight = model.layers[0].fc1.weight
@@ -68,12 +66,12 @@ def test_two_engines_over_one_model_keep_separate_reporters():
     first.close()
     assert first.grad_ready.notifier(weight) is None and engine.grad_ready.notifier(weight) is not None
     manager.bind_grad_ready(engine.grad_ready)
-    grads, counts = train_steps(manager, engine, model, _data(4, 16, "cpu"))
+    grads, counts = train_steps(manager, engine, model, batches(4, 16, "cpu"))
     assert manager.stats.forward_replays > 0
     assert all(c == counts[0] for c in counts[1:]), counts
     assert counts[0]["layers.0.fc1.weight"] == 1
     assert all(c == 0 for b in first.buckets for c in b.slot_counts)
-    _assert_grads_equal(grads, ref)
+    assert_grads_equal(grads, ref)
 
 
 def test_a_manager_that_adds_into_main_grad_needs_a_bound_reporter():
@@ -82,8 +80,7 @@ def test_a_manager_that_adds_into_main_grad_needs_a_bound_reporter():
 
     torch.manual_seed(0)
     model = em.Stack(em.TorchReentrantLayer, 16, 1, recompute=True)
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"]),
-                           torch.device("cpu"))
+    manager = graph_manager(model, layers=["layers.*"])
     engine = DataParallelEngine(model, DDPOptions())
     manager.begin_step(0)
     engine(torch.randn(4, 16)).backward()

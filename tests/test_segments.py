@@ -7,18 +7,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, seed_everything
 
-import cg_lightning
 from cg_lightning import SegmentError
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
-from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff
+from tests import engine_models as em
+from tests.engine_models import BACKENDS, assert_grads_equal, eager_reference, graphed_run
+from tests.helpers import DATA, DEVICES, MODEL, WARMUP, make_trainer, max_rel_diff, state_rel_diff, strategy_for
+from tests.recorders import GradRecorder
 
-WARMUP = 2
-GPT = dict(n_layer=4, d_model=32, n_head=2, block_size=16, lr=3e-3)
-DATA = dict(block_size=16, batch_size=4, max_bytes=100_000)
-DEVICES = [pytest.param("cpu", "eager", id="cpu"), pytest.param("gpu", "cuda", marks=pytest.mark.cuda, id="cuda")]
+GPT = dict(MODEL, n_layer=4)
 
 
 class _Roles(Callback):
@@ -36,15 +35,9 @@ class _Roles(Callback):
 
 def _fit(strategy_name, steps, module, data, accelerator="cpu", backend="eager", segments=True, callbacks=(),
          **trainer_kwargs):
-    if strategy_name == "ddp":
-        strategy = "ddp"
-    else:
-        strategy = cg_lightning.CUDAGraphDDPStrategy(
-            graphs={"warmup_steps": WARMUP, "backend": backend, "segments": segments})
     rec = GradRecorder()
-    trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[rec, *callbacks], **trainer_kwargs)
+    trainer = make_trainer(strategy_for(strategy_name, backend, segments=segments), steps, [rec, *callbacks],
+                           accelerator=accelerator, **trainer_kwargs)
     trainer.fit(module, datamodule=data)
     return rec, trainer
 
@@ -330,30 +323,21 @@ def test_intermediate_output_used_elsewhere_only_after_capture_is_an_error_namin
         _chain_fit("cg", 8, aux=WARMUP + 2)
 
 
-ENGINE_BACKENDS = [
-    pytest.param("eager", "cpu", id="eager-cpu"),
-    pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
-]
-
-
-@pytest.mark.parametrize("backend,device", ENGINE_BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("repeat", [1, 2], ids=["once", "applied-twice"])
 @pytest.mark.parametrize("layer_cls_name", ["SeedLayer", "InsideOutsideLayer", "RepeatedNestedLayer",
                                             "TorchReentrantLayer", "CgCheckpointLayer", "TorchNonReentrantLayer"])
 def test_segments_with_recomputation_keep_gradients_and_counts(layer_cls_name, repeat, backend, device):
-    """The engine-level layer kinds of tests/test_graph_engine.py (parameters hidden behind recomputation,
+    """The engine-level layer kinds of tests/engine_models.py (parameters hidden behind recomputation,
     nested backwards, a stack applied twice), 3 layers chained into one segment: ``main_grad`` equals the
     un-checkpointed eager gradient (1e-6) and the grad-ready counts equal per-layer graphs', every step."""
-    from tests import engine_models as em
-    from tests.test_graph_engine import _assert_grads_equal, eager_reference, graphed_run
-
     layer_cls = getattr(em, layer_cls_name)
     ref, _ = eager_reference(layer_cls, n=3, device=device, repeat=repeat)
     got, counts, manager, _, _ = graphed_run(layer_cls, backend, device, n=3, repeat=repeat, segments=True)
     _, layer_counts, _, _, _ = graphed_run(layer_cls, backend, device, n=3, repeat=repeat, segments=False)
     launchers = [getattr(r._fwd, "launcher", None) for r in manager.runners.values()]
     assert launchers.count(True) == 1 and launchers.count(False) == 3 * repeat - 1, launchers
-    _assert_grads_equal(got, ref)
+    assert_grads_equal(got, ref)
     assert counts == layer_counts
 
 
@@ -418,16 +402,10 @@ def test_layer_failing_in_a_later_graph_set_drops_the_sets_segments():
         seed_everything(5, workers=True)
         model = _Chain()
         model.blocks[2] = SyncOnSmallBatch(model.blocks[2])
-        if name == "ddp":
-            strategy = "ddp"
-        else:
-            strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={
-                "warmup_steps": WARMUP, "backend": "eager", "segments": True, "shape_policy": "recapture",
-                "on_capture_error": "eager", "layers": ["blocks.*"]})
+        strategy = strategy_for(name, segments=True, shape_policy="recapture", on_capture_error="eager",
+                                layers=["blocks.*"])
         rec = GradRecorder()
-        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=15, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[rec])
+        trainer = make_trainer(strategy, 15, [rec])
         if name == "cg":
             with pytest.warns(UserWarning, match="blocks.2"):
                 trainer.fit(model, datamodule=DM())
@@ -480,12 +458,9 @@ def test_each_call_is_captured_under_its_own_autocast_settings(segments, acceler
     for name in ("ddp", "cg"):
         seed_everything(5, workers=True)
         model = _LastBlockFullPrecision()
-        strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
-            graphs={"warmup_steps": WARMUP, "backend": backend, "segments": segments})
         rec = GradRecorder()
-        trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=8, precision="bf16-mixed",
-                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[rec])
+        trainer = make_trainer(strategy_for(name, backend, segments=segments), 8, [rec], accelerator=accelerator,
+                               precision="bf16-mixed")
         trainer.fit(model, datamodule=_ChainDM())
         out[name] = (model, rec, trainer)
     (ref_model, ref, _), (model, rec, trainer) = out["ddp"], out["cg"]

@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 import cg_lightning
-from lightning.pytorch import Callback, Trainer, seed_everything
-from tests.helpers import max_rel_diff, state_rel_diff, train_in_process, train_subprocess
+from examples.data import TextDataModule
+from examples.gpt import GPTLightningModule
+from tests.helpers import cg_strategy, make_trainer, max_rel_diff, state_rel_diff, train_in_process, train_subprocess
 
 
 def test_strategy_is_registered():
@@ -20,7 +22,7 @@ def test_single_process_parity_and_main_grad():
     the eager gradient within 1e-6."""
     warmup = 2
     ref_model, ref, _ = train_in_process("ddp", steps=20, at_steps=(warmup,))
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup, "backend": "eager"})
+    strategy = cg_strategy(warmup_steps=warmup)
     cg_model, cg, trainer = train_in_process(strategy, steps=20, at_steps=(warmup,))
 
     stats = strategy.last_graph_stats
@@ -61,8 +63,6 @@ def test_torch_ddp_options_refused():
 
 
 def test_manual_optimization_refused():
-    from tests.helpers import GPTLightningModule, Trainer
-
     class Manual(GPTLightningModule):
         def __init__(self):
             super().__init__(n_layer=1, d_model=32, n_head=2, block_size=16)
@@ -75,40 +75,9 @@ def test_manual_optimization_refused():
             opt.step()
             opt.zero_grad()
 
-    from examples.data import TextDataModule
-
-    trainer = Trainer(accelerator="cpu", devices=1, strategy="cudagraph_ddp", max_steps=2, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0)
+    trainer = make_trainer("cudagraph_ddp", 2)
     with pytest.raises(ValueError, match="automatic optimization"):
         trainer.fit(Manual(), datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=50_000))
-
-
-def test_graph_monitor_metrics_reach_csv_logger(tmp_path):
-    import csv
-    import glob
-
-    from lightning.pytorch import Trainer, seed_everything
-    from lightning.pytorch.loggers import CSVLogger
-
-    from cg_lightning.callbacks import GraphMonitor
-    from examples.data import TextDataModule
-    from examples.gpt import GPTLightningModule
-
-    seed_everything(3)
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2}),
-        max_steps=12, logger=CSVLogger(tmp_path), callbacks=[GraphMonitor(log_every_n_steps=4)],
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(GPTLightningModule(n_layer=2, d_model=32, n_head=2, block_size=16),
-                datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=60_000))
-    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)[0])))
-    logged = [r for r in rows if r.get("graphs/captured")]
-    assert logged, rows[:3]
-    assert float(logged[-1]["graphs/captured"]) == 2.0
-    assert float(logged[-1]["graphs/replays_per_step"]) == 2.0
-    assert float(logged[-1]["graphs/capture_s"]) > 0
 
 
 @pytest.mark.distributed
@@ -165,8 +134,7 @@ def test_tied_weight_without_recomputation_reports_once():
     """Both uses of a tied weight in one backward pass are summed before its AccumulateGrad node runs, so
     it reports ready once per iteration, in eager and replayed iterations; parity with "ddp"."""
     ref_model, ref, _ = train_in_process("ddp", steps=6, model_kwargs={"tie_weights": True})
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager"})
-    model, rec, _ = train_in_process(strategy, steps=6, model_kwargs={"tie_weights": True})
+    model, rec, _ = train_in_process(cg_strategy(), steps=6, model_kwargs={"tie_weights": True})
     counts = [c["model.tok_emb.weight"] for c in rec.ready_counts]
     assert counts == [1] * 6
     assert max_rel_diff(rec.losses, ref.losses) < 1e-5
@@ -194,13 +162,18 @@ def test_two_process_block_applied_twice(tmp_path):
 
 def test_python_options_errors_name_the_key_and_suggest():
     """The Python API checks option dicts as the command line does: an unknown key names the closest field and
-    lists them all; ``layers`` given as one string (which would graph one module per character) is refused."""
-    with pytest.raises(TypeError, match=r"graphs: unknown key\(s\) 'segment' \(did you mean 'segments'\?\); valid keys: enabled"):
+    lists them all; ``layers`` given as one string (which would graph one module per character) is refused with
+    the list written out; a value of the wrong type names the option and the value."""
+    with pytest.raises(TypeError, match=r"graphs\.segment: unknown key \(did you mean 'segments'\?\); valid keys "
+                                        r"under 'graphs': enabled"):
         cg_lightning.CUDAGraphDDPStrategy(graphs={"segment": False})
-    with pytest.raises(TypeError, match=r"ddp: unknown key\(s\) 'bucket_size' \(did you mean 'bucket_size_mb'\?\)"):
+    with pytest.raises(TypeError, match=r"ddp\.bucket_size: unknown key \(did you mean 'bucket_size_mb'\?\)"):
         cg_lightning.CUDAGraphDDPStrategy(ddp={"bucket_size": 4})
-    with pytest.raises(ValueError, match=r"graphs.layers must be a list of glob patterns, e.g. \['blocks\.\*'\]"):
+    with pytest.raises(TypeError, match=r"graphs\.layers: expected list of str or null, got 'blocks\.\*' "
+                                        r"\(a single item is written as a list: \['blocks\.\*'\]\)"):
         cg_lightning.CUDAGraphDDPStrategy(graphs={"layers": "blocks.*"})
+    with pytest.raises(TypeError, match=r"^graphs\.warmup_steps: expected int, got 'two'$"):
+        cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": "two"})
 
 
 @pytest.mark.parametrize("segments", [True, False])
@@ -212,8 +185,7 @@ def test_block_applied_several_times_with_accumulation_is_bit_exact(segments):
     in a bias after 6 steps). Losses and weights equal to "ddp" bit for bit, with and without segments."""
     kw = dict(steps=6, accumulate=2, model_kwargs={"block_schedule": [0, 1, 0, 1, 0]})
     ref_model, ref, _ = train_in_process("ddp", **kw)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager", "segments": segments})
-    model, rec, trainer = train_in_process(strategy, **kw)
+    model, rec, trainer = train_in_process(cg_strategy(segments=segments), **kw)
     assert trainer.strategy.last_graph_stats.forward_replays > 0
     assert rec.losses == ref.losses
     for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
@@ -221,30 +193,35 @@ def test_block_applied_several_times_with_accumulation_is_bit_exact(segments):
 
 
 def _overrides(cls, base):
-    """``(name, function)`` of every method ``cls`` defines that ``base`` also has (constructor aside)."""
+    """``(name, function)`` of every method ``cls`` or a class between it and ``base`` (the shared body)
+    defines that ``base`` also has (constructor aside)."""
     out = []
-    for name, value in vars(cls).items():
-        if name == "__init__" or not hasattr(base, name):
-            continue
-        func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
-        if callable(func):
-            out.append((name, func))
+    for klass in cls.__mro__[:cls.__mro__.index(base)]:
+        for name, value in vars(klass).items():
+            if name == "__init__" or not hasattr(base, name):
+                continue
+            func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+            if callable(func):
+                out.append((name, func))
     return out
 
 
-def test_overridden_lightning_hooks_are_public_and_marked():
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_overridden_lightning_hooks_are_public_and_marked(package):
     """The strategy overrides public Lightning hooks only (a private one can change in any Lightning release
-    without notice), each marked ``@override``."""
-    from lightning.pytorch.strategies import DDPStrategy
+    without notice), each marked ``@override``; in both Lightning packages."""
+    ddp_strategy = pytest.importorskip(f"{package}.strategies").DDPStrategy
+    module = "cg_lightning.strategy" if package == "lightning.pytorch" else "cg_lightning.pytorch_lightning"
+    cls = __import__(module, fromlist=["CUDAGraphDDPStrategy"]).CUDAGraphDDPStrategy
 
-    overridden = _overrides(cg_lightning.CUDAGraphDDPStrategy, DDPStrategy)
+    overridden = _overrides(cls, ddp_strategy)
     assert {"configure_ddp", "backward", "training_step", "optimizer_step", "teardown"} <= {n for n, _ in overridden}
     for name, func in overridden:
         assert not name.startswith("_"), f"CUDAGraphDDPStrategy overrides Lightning's private {name}"
         assert getattr(func, "__override__", False), f"CUDAGraphDDPStrategy.{name} lacks @override"
 
 
-class _HookOrder(__import__("lightning").pytorch.Callback):
+class _HookOrder(Callback):
     """Records, per backward, the Lightning hooks and the lifecycle driver's backward events in the order they
     run, with whether ``param.grad`` was set at each."""
 
@@ -278,16 +255,8 @@ def test_backward_is_lightnings_with_the_driver_around_autograd():
     ``before_backward`` comes after ``on_before_backward`` (which sees the sum so far on the second micro-batch
     of a window) and drops ``param.grad``; ``after_backward`` comes before ``on_after_backward`` and exposes the
     gradients. The precision plugin is left as it was."""
-    from tests.helpers import Trainer
-
-    from examples.data import TextDataModule
-    from examples.gpt import GPTLightningModule
-
     order = _HookOrder()
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 1, "backend": "eager"})
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, accumulate_grad_batches=2,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[order])
+    trainer = make_trainer(cg_strategy(warmup_steps=1), 3, [order], accumulate_grad_batches=2)
     trainer.fit(GPTLightningModule(n_layer=1, d_model=32, n_head=2, block_size=16),
                 datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=50_000))
     window = [("on_before_backward", False), ("before_backward", False), ("after_backward", True),
@@ -297,53 +266,3 @@ def test_backward_is_lightnings_with_the_driver_around_autograd():
     assert order.events == window * 3
     assert "backward" not in trainer.precision_plugin.__dict__
 
-
-class _GradsSeen(Callback):
-    """Every parameter's ``.grad`` (a copy, or ``None``) in each hook that can read gradients, in call order."""
-
-    def __init__(self):
-        self.seen = []
-
-    def _record(self, hook, module):
-        self.seen.append((hook, [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()]))
-
-    def on_before_backward(self, trainer, module, loss):
-        self._record("on_before_backward", module)
-
-    def on_after_backward(self, trainer, module):
-        self._record("on_after_backward", module)
-
-    def on_before_optimizer_step(self, trainer, module, optimizer):
-        self._record("on_before_optimizer_step", module)
-
-    def on_before_zero_grad(self, trainer, module, optimizer):
-        self._record("on_before_zero_grad", module)
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self._record("on_train_batch_end", module)
-
-
-@pytest.mark.parametrize("accumulate", [1, 3])
-def test_hooks_see_the_gradients_ddp_shows(accumulate):
-    """In every hook that can read gradients, ``param.grad`` under "cudagraph_ddp" is what it is under "ddp",
-    bit for bit (``None`` where "ddp" has ``None``): the step's gradient stays visible in ``on_train_batch_end``
-    and ``on_before_zero_grad`` until Lightning's ``zero_grad``; with accumulation, the sum so far."""
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from tests.test_selection import SequentialModule
-
-    def fit(strategy):
-        seed_everything(3)
-        model, seen = SequentialModule(), _GradsSeen()
-        data = DataLoader(TensorDataset(torch.randn(64, 32)), batch_size=4)
-        Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=6, accumulate_grad_batches=accumulate,
-                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                callbacks=[seen]).fit(model, data)
-        return seen.seen
-
-    ref, got = fit("ddp"), fit("cudagraph_ddp")
-    assert [hook for hook, _ in got] == [hook for hook, _ in ref]
-    for i, ((hook, want), (_, have)) in enumerate(zip(ref, got)):
-        for j, (w, h) in enumerate(zip(want, have)):
-            assert (w is None) == (h is None), (i, hook, j)
-            assert w is None or torch.equal(w, h), (i, hook, j)

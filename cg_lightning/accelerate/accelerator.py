@@ -60,7 +60,8 @@ class CUDAGraphAccelerator(Accelerator):
             launch`` or ``torchrun`` as usual.
 
     Raises:
-        TypeError: if ``graphs`` or ``ddp`` has the wrong type.
+        TypeError, ValueError: ``graphs`` or ``ddp`` of the wrong type, or a field of the wrong type or out of
+            range; the message names the option (``graphs.warmup_steps``), the value and what is accepted.
         ValueError: for torch-DDP options (``DistributedDataParallelKwargs``), which this engine does
             not implement; at ``prepare`` time for DeepSpeed, FSDP, Megatron-LM, XLA, tensor or context
             parallelism, fp8 and ``torch.compile`` (dynamo), which bring their own wrapping.

@@ -1,4 +1,8 @@
-"""``GraphMonitor``: logs the graph engine's counters through Lightning's loggers."""
+"""``GraphMonitor``: logs the graph engine's counters through Lightning's loggers.
+
+The body, :class:`GraphMonitorMixin`, serves both Lightning packages: :class:`GraphMonitor` here is a
+``lightning.pytorch`` callback, :class:`cg_lightning.pytorch_lightning.GraphMonitor` a ``pytorch_lightning`` one.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ def graph_state(stats) -> str:
     return text
 
 
-class GraphMonitor(Callback):
+class GraphMonitorMixin:
     """Log per-layer-graph metrics every ``log_every_n_steps`` optimizer steps.
 
     Metrics (all through ``pl_module.log``, so every configured Lightning logger receives them):
@@ -111,3 +115,7 @@ class GraphMonitor(Callback):
         self._t0 = now
         self._last_batches = self._batches
         self._last_replays = stats.forward_replays
+
+
+class GraphMonitor(GraphMonitorMixin, Callback):
+    __doc__ = GraphMonitorMixin.__doc__

@@ -1,9 +1,14 @@
-"""``CUDAGraphCallback``: the capture schedule of ``strategy="cudagraph_ddp"``, kept in checkpoints."""
+"""``CUDAGraphCallback``: the capture schedule of ``strategy="cudagraph_ddp"``, kept in checkpoints.
+
+The body, :class:`CUDAGraphCallbackMixin`, serves both Lightning packages: :class:`CUDAGraphCallback` here is a
+``lightning.pytorch`` callback, :class:`cg_lightning.pytorch_lightning.CUDAGraphCallback` a ``pytorch_lightning``
+one.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -14,7 +19,7 @@ from ..graphs import GraphOptions
 SCHEDULE_FIELDS = ("warmup_steps", "shape_policy", "max_graph_sets", "on_capture_error", "capture_eval")
 
 
-class CUDAGraphCallback(Callback):
+class CUDAGraphCallbackMixin:
     """Sets when and how the strategy captures graphs, and remembers it across checkpoints.
 
     Precedence, highest first: an argument given here; the value this callback saved in the checkpoint a
@@ -36,8 +41,11 @@ class CUDAGraphCallback(Callback):
             test, predict, sanity check); ``None`` leaves the value to the checkpoint or the strategy.
 
     Raises:
-        ValueError: for an invalid value (checked like ``GraphOptions``).
+        TypeError, ValueError: for a value of the wrong type or out of range, checked and worded as
+            ``GraphOptions`` does (``graphs.warmup_steps: expected int >= 0, got -1``).
     """
+
+    _rank_zero_warn: Callable[[str], None]  # set by each Lightning package's class
 
     def __init__(
         self,
@@ -67,7 +75,7 @@ class CUDAGraphCallback(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not hasattr(trainer.strategy, "graph_options"):
-            rank_zero_warn("CUDAGraphCallback has no effect: the strategy is not 'cudagraph_ddp'.")
+            self._rank_zero_warn("CUDAGraphCallback has no effect: the strategy is not 'cudagraph_ddp'.")
             return
         self._strategy = trainer.strategy
         self._apply({**self.restored, **self.overrides})
@@ -109,3 +117,8 @@ class CUDAGraphCallback(Callback):
         self.restored = {k: v for k, v in state_dict.get("options", {}).items() if k in SCHEDULE_FIELDS}
         if self._strategy is not None:
             self._apply({**self.restored, **self.overrides})
+
+
+class CUDAGraphCallback(CUDAGraphCallbackMixin, Callback):
+    __doc__ = CUDAGraphCallbackMixin.__doc__
+    _rank_zero_warn = staticmethod(rank_zero_warn)

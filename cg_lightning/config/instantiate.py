@@ -3,8 +3,9 @@
 The convention is Lightning's ``LightningCLI`` one (``class_path`` an import path, ``init_args`` its
 constructor's keyword arguments). Before calling the constructor, the arguments are bound to its
 signature (unknown or missing arguments) and checked against its simple annotations (``int``,
-``float``, ``str``, ``bool``, ``Literal[...]`` and their ``Optional`` / ``Union``); anything richer
-is left to the constructor itself.
+``float``, ``str``, ``bool``, ``Literal[...]``, lists and mappings of these, their ``Optional`` / ``Union``)
+by the check the option dataclasses use (:func:`cg_lightning.option_checks.expected_type`); anything
+richer is left to the constructor itself.
 """
 
 from __future__ import annotations
@@ -12,18 +13,16 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import types
 import typing
 from typing import Any, Dict, Mapping, Optional
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+from cg_lightning.option_checks import expected_type
+
 from .errors import ConfigError, short
 from .provenance import from_text
 from .schema import ComponentConfig
-
-_SIMPLE = {int: "int", float: "float", str: "str", bool: "bool"}
-
 
 def _import_class(class_path: str, key: str, cfg: Any = None) -> Any:
     where = from_text(cfg, f"{key}.class_path")
@@ -84,40 +83,6 @@ def _bad_kwargs_error(key: str, class_path: str, sig: Optional[inspect.Signature
     return ConfigError(f"{key}.init_args: {class_path}: {'; '.join(details)}. Accepted parameters: {accepted}{where}")
 
 
-def _annotation_expects(annotation: Any, value: Any) -> Optional[str]:
-    """The expected type's name if ``value`` cannot be of the simple ``annotation``; ``None`` if it fits
-    or the annotation is too rich to judge."""
-    if annotation in _SIMPLE:
-        if annotation is bool:
-            ok = isinstance(value, bool)
-        elif annotation is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif annotation is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, str)
-        return None if ok else _SIMPLE[annotation]
-    origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        choices = typing.get_args(annotation)
-        return None if value in choices else f"one of {choices}"
-    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(annotation, types.UnionType)):
-        members = typing.get_args(annotation)
-        names = []
-        for member in members:
-            if member is type(None):
-                if value is None:
-                    return None
-                names.append("null")
-                continue
-            expected = _annotation_expects(member, value)
-            if expected is None:  # fits, or a member too rich to judge: let the constructor decide
-                return None
-            names.append(expected)
-        return " or ".join(names)
-    return None
-
-
 def _check_annotations(cls: Any, sig: inspect.Signature, kwargs: Dict[str, Any], key: str, class_path: str,
                        cfg: Any) -> None:
     try:
@@ -128,7 +93,7 @@ def _check_annotations(cls: Any, sig: inspect.Signature, kwargs: Dict[str, Any],
     for name, value in kwargs.items():
         if name not in sig.parameters or name not in hints:
             continue
-        expected = _annotation_expects(hints[name], value)
+        expected = expected_type(hints[name], value)
         if expected is not None:
             problems.append(
                 f"{key}.init_args.{name}: expected {expected} (the annotation of {class_path}), "

@@ -177,12 +177,14 @@ def _missing_keys(data: Any, path: str) -> List[str]:
 
 
 def _without_key_prefix(message: str, path: str) -> str:
-    """``"graphs.backend must be ..."`` at ``strategy.graphs.backend`` -> ``"must be ..."``."""
+    """``"graphs.backend: expected ..."`` at ``strategy.graphs.backend`` -> ``"expected ..."`` (and
+    ``"name must be ..."`` at ``strategy.name`` -> ``"must be ..."``)."""
     parts = path.split(".")
     for i in range(len(parts)):
         prefix = ".".join(parts[i:])
-        if prefix and message.startswith(prefix + " "):
-            return message[len(prefix) + 1 :]
+        for sep in (": ", " "):
+            if prefix and message.startswith(prefix + sep):
+                return message[len(prefix) + len(sep) :]
     return message
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+from ..option_checks import above, check_options, one_of
 
 GRAD_DTYPES = (None, "float32", "bfloat16", "float16")
 
@@ -15,19 +17,21 @@ class DDPOptions:
     One line per field below; ``docs/options.md`` is generated from those lines.
 
     Raises:
-        ValueError: on a non-positive bucket size or timeout, or an unknown grad dtype.
+        TypeError: a value of the wrong type.
+        ValueError: a non-positive bucket size or timeout, an unknown grad dtype. Both name the option
+            (``ddp.bucket_size_mb``), the value given and what is accepted.
     """
 
-    bucket_size_mb: float = 25.0
+    bucket_size_mb: float = field(default=25.0, metadata=above(0))
     """Bucket capacity in MiB of gradient memory; a parameter never spans two buckets."""
 
     average: bool = True
     """Divide the all-reduced gradient by the world size, as torch DDP does; ``False`` sums."""
 
-    grad_dtype: Optional[str] = None
+    grad_dtype: Optional[str] = field(default=None, metadata=one_of(GRAD_DTYPES))
     """dtype of ``main_grad``: ``"float32"``, ``"bfloat16"``, ``"float16"``; ``None`` keeps each parameter's."""
 
-    timeout_s: float = 300.0
+    timeout_s: float = field(default=300.0, metadata=above(0))
     """Seconds a rank waits for the others in the grad-ready agreement before it raises."""
 
     check_grad_ready: bool = True
@@ -40,9 +44,4 @@ class DDPOptions:
     """Allow parameters without a gradient in a backward (ready with zero contribution), as torch DDP's option."""
 
     def __post_init__(self) -> None:
-        if self.bucket_size_mb <= 0:
-            raise ValueError(f"ddp.bucket_size_mb must be > 0, got {self.bucket_size_mb}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"ddp.timeout_s must be > 0, got {self.timeout_s}")
-        if self.grad_dtype not in GRAD_DTYPES:
-            raise ValueError(f"ddp.grad_dtype must be one of {GRAD_DTYPES}, got {self.grad_dtype!r}")
+        check_options(self, "ddp")

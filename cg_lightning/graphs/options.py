@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
+
+from ..option_checks import at_least, check_options, one_of
 
 BACKENDS = ("auto", "cuda", "eager")
 SHAPE_POLICIES = ("eager", "error", "recapture")
@@ -18,7 +20,9 @@ class GraphOptions:
     how the pieces act together.
 
     Raises:
-        ValueError: on an unknown backend or shape policy, a count below 1, or ``layers`` given as one string.
+        TypeError: a value of the wrong type (``layers`` given as one string included).
+        ValueError: an unknown backend or policy, a count out of range. Both name the option
+            (``graphs.warmup_steps``), the value given and what is accepted.
     """
 
     enabled: bool = True
@@ -27,22 +31,22 @@ class GraphOptions:
     layers: Optional[List[str]] = None
     """Glob patterns over module names, outermost match wins; ``None``: every ``ModuleList``/``Sequential``'s repeated blocks."""
 
-    warmup_steps: int = 2
+    warmup_steps: int = field(default=2, metadata=at_least(0))
     """Eager optimizer steps before capture (at least one is taken; a resumed run warms up again)."""
 
-    num_warmup_iters: int = 1
+    num_warmup_iters: int = field(default=1, metadata=at_least(1))
     """Eager passes per layer inside capture (>= 1); they find parameters used only in recomputation."""
 
-    backend: str = "auto"
+    backend: str = field(default="auto", metadata=one_of(BACKENDS))
     """``"cuda"`` (``torch.cuda.CUDAGraph``), ``"eager"`` (kernels run eagerly) or ``"auto"`` (``cuda`` on a GPU)."""
 
-    shape_policy: str = "eager"
+    shape_policy: str = field(default="eager", metadata=one_of(SHAPE_POLICIES))
     """A call unlike the captured ones: ``"eager"`` (warn once), ``"error"``, or ``"recapture"`` (new graph set)."""
 
-    max_graph_sets: int = 4
+    max_graph_sets: int = field(default=4, metadata=at_least(1))
     """Most graph sets under ``"recapture"`` and eval-graph keys per layer (>= 1); later new ones run eagerly."""
 
-    on_capture_error: str = "raise"
+    on_capture_error: str = field(default="raise", metadata=one_of(CAPTURE_ERROR_POLICIES))
     """A layer whose capture fails: ``"raise"`` stops training, ``"eager"`` runs that layer eagerly from then on."""
 
     capture_optimizer: bool = False
@@ -61,25 +65,6 @@ class GraphOptions:
     """Parameters only one graphed call reaches are reported ready by its replay, not by an autograd edge."""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"graphs.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.shape_policy not in SHAPE_POLICIES:
-            raise ValueError(f"graphs.shape_policy must be one of {SHAPE_POLICIES}, got {self.shape_policy!r}")
-        if self.on_capture_error not in CAPTURE_ERROR_POLICIES:
-            raise ValueError(
-                f"graphs.on_capture_error must be one of {CAPTURE_ERROR_POLICIES}, got {self.on_capture_error!r}"
-            )
-        if self.max_graph_sets < 1:
-            raise ValueError(f"graphs.max_graph_sets must be >= 1, got {self.max_graph_sets}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"graphs.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.num_warmup_iters < 1:
-            raise ValueError(
-                f"graphs.num_warmup_iters must be >= 1 (parameter discovery needs one warmup), "
-                f"got {self.num_warmup_iters}"
-            )
-        if isinstance(self.layers, str):  # list("blocks.*") would be one pattern per character
-            raise ValueError(f"graphs.layers must be a list of glob patterns, e.g. [{self.layers!r}], "
-                             f"got the string {self.layers!r}")
+        check_options(self, "graphs")
         if self.layers is not None:
             self.layers = list(self.layers)

@@ -8,11 +8,7 @@ import torch
 import torch.nn as nn
 
 import cg_lightning
-
-BACKENDS = [
-    pytest.param("eager", "cpu", id="eager-cpu"),
-    pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
-]
+from tests.engine_models import BACKENDS
 
 
 def _static_param_grad(graphed, index=0):

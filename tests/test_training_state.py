@@ -16,25 +16,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import cg_lightning
-from cg_lightning.ddp import DataParallelEngine, DDPOptions
-from cg_lightning.graphs import GraphManager, GraphOptions
-from examples.data import TextDataModule
-from examples.gpt import GPT, GPTLightningModule
-from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff, train_in_process, train_subprocess
+from examples.gpt import GPT
+from tests.engine_models import BACKENDS, graphed_engine
+from tests.helpers import (
+    EPOCH_BATCHES, cg_strategy, fit_whole_epochs, make_trainer, max_rel_diff, state_rel_diff, train_in_process,
+    train_subprocess,
+)
+from tests.recorders import GradRecorder
 from tests.scripts.train_parity import BNData, BNLightningModule
-
-
-def _trainer(strategy, steps, callbacks, **kwargs):
-    kw = dict(logger=False, enable_checkpointing=False)
-    kw.update(kwargs)
-    return Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **kw,
-    )
 
 
 # ----------------------------------------------------------------------------------------------- buffers
@@ -42,7 +34,7 @@ def _fit_bn(strategy, steps=5, seed=3):
     seed_everything(seed, workers=True)
     model = BNLightningModule()
     rec = GradRecorder()
-    _trainer(strategy, steps, [rec]).fit(model, datamodule=BNData())
+    make_trainer(strategy, steps, [rec]).fit(model, datamodule=BNData())
     return model, rec
 
 
@@ -54,9 +46,7 @@ def test_batchnorm_running_stats_single_process_match_ddp():
     exactly the number of training steps and the running statistics saw each batch once."""
     steps, warmup = 5, 2
     ref_model, ref = _fit_bn("ddp", steps)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"layers": ["blocks.*"], "warmup_steps": warmup, "backend": "eager"}
-    )
+    strategy = cg_strategy(warmup_steps=warmup, layers=["blocks.*"])
     model, rec = _fit_bn(strategy, steps)
 
     stats = strategy.last_graph_stats
@@ -128,10 +118,7 @@ class _Blocks(nn.Module):
 def _replayed_outputs(device: str, backend: str, dropout: float, steps: int = 4):
     torch.manual_seed(0)
     model = _Blocks(dropout).to(device)
-    manager = GraphManager(model, GraphOptions(layers=["blocks.*"], warmup_steps=1, backend=backend),
-                           torch.device(device))
-    engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
-    manager.bind_grad_ready(engine.grad_ready)
+    manager, engine = graphed_engine(model, device, layers=["blocks.*"], backend=backend)
     x = torch.randn(4, 16, 32, device=device, requires_grad=True)
     outs = []
     for step in range(steps):  # no optimizer step: the weights never change
@@ -150,11 +137,8 @@ def _replayed_outputs(device: str, backend: str, dropout: float, steps: int = 4)
     return outs
 
 
-@pytest.mark.parametrize(
-    "device, backend",
-    [("cpu", "eager"), pytest.param("cuda", "cuda", marks=pytest.mark.cuda)],
-)
-def test_dropout_masks_change_between_replays(device, backend):
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_dropout_masks_change_between_replays(backend, device):
     """Same input, same weights (no optimizer step), train mode: two consecutive replayed steps give
     different outputs with dropout 0.2 (a new mask per replay), identical ones with dropout 0 (the
     difference comes from dropout, nothing else). On the eager backend this holds by construction; on the
@@ -176,14 +160,11 @@ def test_dropout_reproducible_and_matches_ddp():
     steps, warmup = 8, 2
     mk = {"dropout": 0.1}
 
-    def cg():
-        return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup, "backend": "eager"})
-
-    s1, s2 = cg(), cg()
+    s1, s2 = cg_strategy(warmup_steps=warmup), cg_strategy(warmup_steps=warmup)
     m1, r1, _ = train_in_process(s1, steps=steps, model_kwargs=mk)
     m2, r2, _ = train_in_process(s2, steps=steps, model_kwargs=mk)
     ref_model, ref, _ = train_in_process("ddp", steps=steps, model_kwargs=mk)
-    _, plain, _ = train_in_process(cg(), steps=steps, model_kwargs={"dropout": 0.0})
+    _, plain, _ = train_in_process(cg_strategy(warmup_steps=warmup), steps=steps, model_kwargs={"dropout": 0.0})
 
     assert s1.last_graph_stats.forward_replays == 2 * (steps - warmup)
     assert len(r1.losses) == steps
@@ -196,31 +177,15 @@ def test_dropout_reproducible_and_matches_ddp():
 
 
 # ----------------------------------------------------------------------------------------------- resume
-EPOCH_BATCHES = 10
-
-
-def _fit_gpt(strategy, steps, callbacks=(), ckpt_path=None, **trainer_kwargs):
-    seed_everything(7, workers=True)
-    model = GPTLightningModule(n_layer=2, d_model=64, n_head=4, block_size=32, lr=3e-3, warmup_lr_steps=15)
-    # 40 windows of 33 bytes, 4 per batch: exactly EPOCH_BATCHES batches per epoch, no validation split
-    data = TextDataModule(block_size=32, batch_size=4, val_fraction=0.0, max_bytes=40 * 33)
-    rec = GradRecorder()
-    trainer = _trainer(strategy, steps, [rec, *callbacks], **trainer_kwargs)
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
-    assert trainer.num_training_batches == EPOCH_BATCHES
-    assert trainer.global_step == steps
-    return model, rec
-
-
 def _interrupted_run(make_strategy, tmp_path):
     ckpt = ModelCheckpoint(dirpath=str(tmp_path), filename="{step}", every_n_train_steps=EPOCH_BATCHES,
                            save_top_k=-1)
     first_strategy = make_strategy()
-    _, first = _fit_gpt(first_strategy, EPOCH_BATCHES, callbacks=[ckpt], enable_checkpointing=True)
+    _, first = fit_whole_epochs(first_strategy, EPOCH_BATCHES, callbacks=[ckpt], enable_checkpointing=True)
     paths = sorted(tmp_path.glob("*.ckpt"))
     assert [p.name for p in paths] == [f"step={EPOCH_BATCHES}.ckpt"]
     resumed_strategy = make_strategy()
-    model, resumed = _fit_gpt(resumed_strategy, 2 * EPOCH_BATCHES, ckpt_path=str(paths[0]))
+    model, resumed = fit_whole_epochs(resumed_strategy, 2 * EPOCH_BATCHES, ckpt_path=str(paths[0]))
     return first, resumed, model, resumed_strategy
 
 
@@ -247,9 +212,9 @@ def test_resume_from_checkpoint_continues_exactly(strategy_name, tmp_path):
             return "ddp"
     else:
         def make():
-            return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup, "backend": "eager"})
+            return cg_strategy(warmup_steps=warmup)
 
-    full_model, full = _fit_gpt(make(), 2 * EPOCH_BATCHES)
+    full_model, full = fit_whole_epochs(make(), 2 * EPOCH_BATCHES)
     first, resumed, model, strategy = _interrupted_run(make, tmp_path)
 
     assert len(full.losses) == 2 * EPOCH_BATCHES

@@ -12,46 +12,19 @@ import sys
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback
 from lightning.pytorch.plugins import MixedPrecision
 
-import cg_lightning
-from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
-from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff, train_subprocess
-
-N_LAYER = 2
-WARMUP = 2
-MODEL = dict(n_layer=N_LAYER, d_model=32, n_head=2, block_size=16, lr=3e-3)
-DATA = dict(block_size=16, batch_size=4, max_bytes=100_000)
+from tests.helpers import (
+    DEVICES, MODEL, N_LAYER, WARMUP, EvalGPT, fit_gpt, max_rel_diff, state_rel_diff, strategy_for, train_subprocess,
+)
+from tests.recorders import LifecycleRecorder
 
 
-def _strategy(name: str, backend: str = "eager"):
-    if name == "ddp":
-        return "ddp"
-    return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": backend})
-
-
-def _fit(strategy_name: str, steps: int = 8, model_cls=GPTLightningModule, model_kwargs=None, callbacks=(),
-         accelerator: str = "cpu", backend: str = "eager", **trainer_kwargs):
+def _fit(strategy_name: str, steps: int = 8, backend: str = "eager", **kwargs):
     """Fit the tiny GPT under ``"ddp"`` or ``"cudagraph_ddp"``; returns (model, GradRecorder, trainer, data)."""
-    seed_everything(7, workers=True)
-    model = model_cls(**{**MODEL, **(model_kwargs or {})})
-    data = TextDataModule(**DATA)
-    rec = GradRecorder()
-    kwargs = dict(num_sanity_val_steps=0, limit_val_batches=0)
-    kwargs.update(trainer_kwargs)
-    trainer = Trainer(
-        accelerator=accelerator, devices=1, strategy=_strategy(strategy_name, backend), max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[rec, *callbacks], **kwargs,
-    )
-    trainer.fit(model, datamodule=data)
-    return model, rec, trainer, data
-
-
-# (accelerator, graph backend): the eager backend on CPU everywhere, real CUDA graphs on the GPU machine
-DEVICES = [pytest.param("cpu", "eager", id="cpu"), pytest.param("gpu", "cuda", marks=pytest.mark.cuda, id="cuda")]
+    return fit_gpt(strategy_for(strategy_name, backend), steps, **kwargs)
 
 
 def _print_diffs(rec, ref, model, ref_model) -> None:
@@ -496,60 +469,6 @@ def test_two_process_accumulation_clipping_and_scheduler(tmp_path):
 # ---------------------------------------------------------------------------------------------- validation
 
 
-class _Lifecycle(Callback):
-    """Under cudagraph_ddp: counts captures, the eager calls made by every validation run, and checks at the
-    start of every training batch that no gradient is pending (``param.grad`` None, ``main_grad`` zero).
-    (Under "ddp" ``param.grad`` still holds the last step's gradient there: Lightning zeroes it inside the
-    next step's closure, before the backward; so only the ``cudagraph_ddp`` record is checked.)"""
-
-    def __init__(self) -> None:
-        self.capture_seconds = []  # GraphStats.capture_seconds after every training batch (grows per capture)
-        self.val_runs = []  # (sanity, validation batches, eager calls during the run, replays during the run)
-        self.val_losses = []
-        self.clean_starts = []  # (global_step, batch_idx, came right after a validation run, no gradient pending)
-        self._after_val = False
-        self._val_batches = 0
-        self._before = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        manager = getattr(trainer.strategy, "graph_manager", None)
-        if manager is not None:
-            self.capture_seconds.append(manager.stats.capture_seconds)
-
-    @property
-    def captures(self) -> int:
-        """Number of training batches during which a capture happened."""
-        seen = [0.0, *self.capture_seconds]
-        return sum(1 for a, b in zip(seen, seen[1:]) if b != a)
-
-    def _counters(self, trainer):
-        manager = getattr(trainer.strategy, "graph_manager", None)
-        return (manager.stats.eager_calls, manager.stats.forward_replays) if manager is not None else (0, 0)
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        self._before = self._counters(trainer)
-        self._val_batches = 0
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._val_batches += 1
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        eager, replays = self._counters(trainer)
-        self.val_runs.append((trainer.sanity_checking, self._val_batches, eager - self._before[0],
-                              replays - self._before[1]))
-        self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
-        self._after_val = True
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        clean = all(p.grad is None for p in pl_module.parameters())
-        clean = clean and all(
-            not hasattr(p, "main_grad") or (not p.grad_added_to_main_grad and bool((p.main_grad == 0).all()))
-            for p in pl_module.parameters()
-        )
-        self.clean_starts.append((trainer.global_step, batch_idx, self._after_val, clean))
-        self._after_val = False
-
-
 @pytest.mark.parametrize("accelerator,backend", DEVICES)
 def test_validation_during_fit_and_sanity_check(accelerator, backend):
     """val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=2, 7 steps: training losses and weights
@@ -559,7 +478,7 @@ def test_validation_during_fit_and_sanity_check(accelerator, backend):
     ``param.grad`` and an all-zero ``main_grad``."""
     steps = 7
     kw = dict(val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=2)
-    ref_life, life = _Lifecycle(), _Lifecycle()
+    ref_life, life = LifecycleRecorder(), LifecycleRecorder()
     ref_model, ref, _, _ = _fit("ddp", steps, callbacks=[ref_life], accelerator=accelerator, **kw)
     model, rec, trainer, _ = _fit("cg", steps, callbacks=[life], accelerator=accelerator, backend=backend, **kw)
 
@@ -596,7 +515,7 @@ def test_validation_in_the_middle_of_gradient_accumulation(accelerator, backend)
     under "ddp") and losses and weights equal "ddp" (1e-5)."""
     steps = 5
     kw = dict(val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=2, accumulate_grad_batches=2)
-    ref_life, life = _Lifecycle(), _Lifecycle()
+    ref_life, life = LifecycleRecorder(), LifecycleRecorder()
     ref_model, ref, _, _ = _fit("ddp", steps, callbacks=[ref_life], accelerator=accelerator, **kw)
     model, rec, trainer, _ = _fit("cg", steps, callbacks=[life], accelerator=accelerator, backend=backend, **kw)
     _assert_replayed(trainer, steps, micro_batches_per_step=2)
@@ -615,24 +534,13 @@ def test_validation_in_the_middle_of_gradient_accumulation(accelerator, backend)
     assert max_rel_diff(life.val_losses, ref_life.val_losses) < 1e-5
 
 
-class _EvalGPT(GPTLightningModule):
-    def test_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("test_loss", loss, sync_dist=True)
-        return loss
-
-    def predict_step(self, batch, batch_idx, dataloader_idx=0):
-        x, _ = batch
-        return self(x)
-
-
 def test_validate_test_predict_after_fit():
     """After fit on the same trainer and model: trainer.validate, trainer.test and trainer.predict run (the
     graphs are gone: the blocks' own forwards are back) and give the same numbers as under "ddp" (1e-5)."""
     steps = 6
     out = {}
     for name in ("ddp", "cg"):
-        model, rec, trainer, data = _fit(name, steps, model_cls=_EvalGPT, limit_val_batches=3,
+        model, rec, trainer, data = _fit(name, steps, model_cls=EvalGPT, limit_val_batches=3,
                                          limit_test_batches=3, limit_predict_batches=3)
         if name == "cg":
             _assert_replayed(trainer, steps)

@@ -7,12 +7,11 @@ and fail with ``TypeError: 'NoneType' object is not iterable`` on CPU."""
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
+from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
 from torch import nn
 
-import cg_lightning
-from cg_lightning.ddp import DataParallelEngine, DDPOptions
-from cg_lightning.graphs import GraphManager, GraphOptions
+from tests.engine_models import graphed_engine
+from tests.helpers import cg_strategy, make_trainer
 
 
 class _Probe(LightningModule):
@@ -53,10 +52,7 @@ def test_autograd_grad_through_a_graphed_layer_is_an_error_naming_it():
     and 2: refused, naming the first one reached, instead of adding into main_grad a gradient eager autograd
     would not have accumulated. Before capture the same probe runs eagerly and is fine."""
     seed_everything(1)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager",
-                                                          "layers": ["blocks.*"]})
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=6, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = make_trainer(cg_strategy(layers=["blocks.*"]), 6)
     with pytest.raises(RuntimeError, match=r"graphed 'blocks\.2'.*torch\.autograd\.grad.*graphs\.layers"):
         trainer.fit(_Probe(probe=3), datamodule=_Data())
     assert trainer.global_step == 3  # the steps before ran, probe included while eager
@@ -66,10 +62,7 @@ def test_second_backward_through_the_same_call_is_an_error_naming_it():
     """Engine level: ``loss.backward(retain_graph=True)`` then ``loss.backward()`` on a replayed step."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
-    manager = GraphManager(model, GraphOptions(warmup_steps=1, backend="eager", layers=["0", "1"]),
-                           torch.device("cpu"))
-    engine = DataParallelEngine(model, DDPOptions())
-    manager.bind_grad_ready(engine.grad_ready)
+    manager, engine = graphed_engine(model, layers=["0", "1"])
     x = torch.randn(4, 8)
     for step in range(2):
         manager.begin_step(step)

@@ -7,36 +7,27 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 
-import cg_lightning
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
-from tests.helpers import GradRecorder, max_rel_diff, state_rel_diff
+from tests.helpers import (
+    DATA, DEVICES, EPOCH_BATCHES, MODEL, WARMUP, cg_strategy, fit_gpt, fit_whole_epochs, make_trainer, max_rel_diff,
+    state_rel_diff, state_rel_diffs, strategy_for,
+)
 
-WARMUP = 2
 # layers captured in step WARMUP; step WARMUP+1 prepares and runs eagerly; WARMUP+2 captures; then replays
 FIRST_REPLAY = WARMUP + 3
-MODEL = dict(n_layer=2, d_model=32, n_head=2, block_size=16, lr=3e-3, warmup_lr_steps=10, bias=False)
+STEP_MODEL = dict(MODEL, warmup_lr_steps=10, bias=False)
 # no biases: a fused key bias has a true gradient of 0, and AdamW turns the rounding of a float32 learning
 # rate (the captured step keeps it on the device) into full-size steps of either sign there
-DATA = dict(block_size=16, batch_size=4, max_bytes=100_000)
-DEVICES = [pytest.param("cpu", "eager", id="cpu"), pytest.param("gpu", "cuda", marks=pytest.mark.cuda, id="cuda")]
 
 
 def _fit(name, steps, accelerator="cpu", backend="eager", callbacks=(), model_kwargs=None,
          model_cls=GPTLightningModule, **trainer_kwargs):
-    seed_everything(7, workers=True)
-    model = model_cls(**{**MODEL, **(model_kwargs or {})})
-    strategy = "ddp" if name == "ddp" else cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"warmup_steps": WARMUP, "backend": backend, "capture_optimizer": True})
-    rec = GradRecorder()
-    trainer_kwargs.setdefault("enable_checkpointing", False)
-    trainer_kwargs.setdefault("logger", False)
-    trainer = Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=steps,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      limit_val_batches=0, callbacks=[rec, *callbacks], **trainer_kwargs)
-    trainer.fit(model, datamodule=TextDataModule(**DATA))
+    model, rec, trainer, _ = fit_gpt(strategy_for(name, backend, capture_optimizer=True), steps, model_cls=model_cls,
+                                     model=STEP_MODEL, model_kwargs=model_kwargs, callbacks=callbacks,
+                                     accelerator=accelerator, **trainer_kwargs)
     return model, rec, trainer
 
 
@@ -152,42 +143,35 @@ def test_optimizer_with_step_hook_is_refused():
             return out
 
     seed_everything(7)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": "eager",
-                                                         "capture_optimizer": True})
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=7, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = make_trainer(cg_strategy(capture_optimizer=True), 7, validation=True)
     with pytest.warns(UserWarning, match="step pre/post hooks"):
-        trainer.fit(HookedGPT(**MODEL), datamodule=TextDataModule(**DATA))
+        trainer.fit(HookedGPT(**STEP_MODEL), datamodule=TextDataModule(**DATA))
     assert trainer.strategy.last_optimizer_replays == 0
 
 
 def test_checkpoint_holds_the_users_optimizer_settings_and_resumes(tmp_path):
     """A checkpoint saved while the step replays from a graph stores float learning rates and ``capturable``
     as the user set it (so it loads into any optimizer). Resuming from it (epoch boundary, as in
-    tests/test_state.py) under the same strategy captures the step again and continues with the losses of an
+    tests/test_training_state.py) under the same strategy captures the step again and continues with the losses of an
     uninterrupted "ddp" run (1e-5); final weights equal within 1e-5, the fused key bias left out (it does not
     affect any output; its true gradient is 0)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from tests.helpers import state_rel_diffs
-    from tests.test_state import EPOCH_BATCHES, _fit_gpt
-
     def make():
-        return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": "eager",
-                                                         "capture_optimizer": True})
+        return cg_strategy(capture_optimizer=True)
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path), filename="{step}", every_n_train_steps=EPOCH_BATCHES,
                            save_top_k=-1)
     first = make()
-    _fit_gpt(first, EPOCH_BATCHES, callbacks=[ckpt], enable_checkpointing=True)
+    fit_whole_epochs(first, EPOCH_BATCHES, callbacks=[ckpt], enable_checkpointing=True)
     assert first.last_optimizer_replays == EPOCH_BATCHES - FIRST_REPLAY
     path = tmp_path / f"step={EPOCH_BATCHES}.ckpt"
     groups = torch.load(path, weights_only=False)["optimizer_states"][0]["param_groups"]
     assert all(isinstance(g["lr"], float) and g["capturable"] is False for g in groups), groups
 
     resumed_strategy = make()
-    model, resumed = _fit_gpt(resumed_strategy, 2 * EPOCH_BATCHES, ckpt_path=str(path))
-    full_model, full = _fit_gpt("ddp", 2 * EPOCH_BATCHES)
+    model, resumed = fit_whole_epochs(resumed_strategy, 2 * EPOCH_BATCHES, ckpt_path=str(path))
+    full_model, full = fit_whole_epochs("ddp", 2 * EPOCH_BATCHES)
     assert resumed_strategy.last_optimizer_replays == EPOCH_BATCHES - FIRST_REPLAY
     assert max_rel_diff(resumed.losses, full.losses[EPOCH_BATCHES:]) < 1e-5
     assert max(state_rel_diffs(model.state_dict(), full_model.state_dict(), drop_key_bias=True).values()) < 1e-5
@@ -276,25 +260,19 @@ def test_grad_dtype_other_than_the_parameters_is_refused_with_a_reason():
     """bf16-true with ``ddp.grad_dtype=float32``: the optimizer gets a fresh cast of main_grad every step, so
     the step is not captured, and the warning names ddp.grad_dtype (not user code)."""
     seed_everything(7)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"warmup_steps": WARMUP, "backend": "eager", "capture_optimizer": True}, ddp={"grad_dtype": "float32"})
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true", max_steps=7,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0)
+    strategy = cg_strategy(capture_optimizer=True, ddp={"grad_dtype": "float32"})
+    trainer = make_trainer(strategy, 7, precision="bf16-true")
     with pytest.warns(UserWarning, match="ddp.grad_dtype differs"):
-        trainer.fit(GPTLightningModule(**MODEL), datamodule=TextDataModule(**DATA))
+        trainer.fit(GPTLightningModule(**STEP_MODEL), datamodule=TextDataModule(**DATA))
     assert strategy.last_optimizer_replays == 0
 
 
 def test_replay_count_is_per_fit():
     """``last_optimizer_replays`` counts the last fit only (fit called twice on one Trainer)."""
     seed_everything(7)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": "eager",
-                                                         "capture_optimizer": True})
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0)
-    model, data = GPTLightningModule(**MODEL), TextDataModule(**DATA)
+    strategy = cg_strategy(capture_optimizer=True)
+    trainer = make_trainer(strategy, 8)
+    model, data = GPTLightningModule(**STEP_MODEL), TextDataModule(**DATA)
     trainer.fit(model, datamodule=data)
     assert strategy.last_optimizer_replays == 8 - FIRST_REPLAY
     trainer.fit_loop.epoch_loop.max_steps = 16
@@ -318,17 +296,10 @@ def test_user_optimizer_step_that_skips_the_update(capture_optimizer):
     them under "ddp" (not added to the next step's main_grad): losses equal "ddp" (1e-5)."""
     steps = 8
     ref_model, ref, _ = _fit("ddp", steps, model_cls=_SkipOddSteps)
-    seed_everything(7, workers=True)
-    model = _SkipOddSteps(**MODEL)
-    strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": WARMUP, "backend": "eager",
-                                                         "capture_optimizer": capture_optimizer})
-    rec = GradRecorder()
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec])
+    strategy = cg_strategy(capture_optimizer=capture_optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skipped steps turn a captured step eager, with a warning
-        trainer.fit(model, datamodule=TextDataModule(**DATA))
+        model, rec, _, _ = fit_gpt(strategy, steps, model_cls=_SkipOddSteps, model=STEP_MODEL)
     assert len(rec.losses) == len(ref.losses)
     assert max_rel_diff(rec.losses, ref.losses) < 1e-5
     assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-5

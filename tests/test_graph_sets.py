@@ -1,23 +1,18 @@
-"""Shape policies (eager / error / recapture), capture-error fallback, CUDAGraphCallback and GraphMonitor.
+"""Graph sets: shape policies (eager / error / recapture), the bounded set cache, capture-error fallback.
 
 Numerical references are eager training of the same model on the same data: Lightning's "ddp" for the
 Trainer runs (1e-5 on losses), plain PyTorch for the engine-level runs (1e-6 on gradients).
 """
 
-import csv
-import glob
 import warnings
 
 import pytest
 import torch
 
-import cg_lightning
-from cg_lightning.callbacks import CUDAGraphCallback, GraphMonitor
-from cg_lightning.callbacks.monitor import graph_state
-from cg_lightning.ddp import DataParallelEngine, DDPOptions
-from cg_lightning.graphs import GraphCaptureError, GraphManager, GraphOptions, GraphSignatureError, LayerGraphRunner
+from cg_lightning.graphs import GraphCaptureError, GraphSignatureError, LayerGraphRunner
 from tests import engine_models as em
-from tests.helpers import max_rel_diff, train_in_process
+from tests.engine_models import BACKENDS, graphed_engine
+from tests.helpers import cg_strategy, max_rel_diff, train_in_process
 
 # 400 bytes of text, block_size 32, batch_size 4: 10 training windows per epoch -> batches of 4, 4, 2
 SMALL_LAST = {"max_bytes": 400, "drop_last": False}
@@ -25,7 +20,7 @@ STEPS = 9  # three epochs: batch sizes 4 4 2 | 4 4 2 | 4 4 2
 
 
 def _strategy(**graphs):
-    return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 1, "backend": "eager", **graphs})
+    return cg_strategy(**{"warmup_steps": 1, **graphs})
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +80,7 @@ def test_another_memory_layout_is_another_signature():
     assert not one.matches((torch.randn(8, 2)[:, 0].unsqueeze(0),), {})  # stride 2 along the length-8 dim
 
 
-@pytest.mark.parametrize("backend,device", [
-    pytest.param("eager", "cpu", id="eager-cpu"),
-    pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
-])
+@pytest.mark.parametrize("backend,device", BACKENDS)
 def test_recapture_cache_is_bounded(backend, device):
     """max_graph_sets=2 with batch sizes 8, 5 and 3: two sets sharing one pool; steps of batch 3 run
     eagerly, warned once; main_grad equals the eager gradient at every step, also when the sets alternate."""
@@ -99,10 +91,7 @@ def test_recapture_cache_is_bounded(backend, device):
     ref_model = em.Stack(em.SeedLayer, 16, 2, recompute=False).to(device)
     torch.manual_seed(0)
     model = em.Stack(em.SeedLayer, 16, 2, recompute=True).to(device)
-    options = GraphOptions(warmup_steps=1, backend=backend, shape_policy="recapture", max_graph_sets=2)
-    manager = GraphManager(model, options, torch.device(device))
-    engine = DataParallelEngine(model, DDPOptions(), grad_accumulator_stream=getattr(manager.backend, "stream", None))
-    manager.bind_grad_ready(engine.grad_ready)
+    manager, engine = graphed_engine(model, device, backend=backend, shape_policy="recapture", max_graph_sets=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, x in enumerate(data):
@@ -164,10 +153,7 @@ def _train_three(on_capture_error, tagged, steps=4):
     ref = ThreeLayers(tagged=tagged)
     torch.manual_seed(0)
     model = ThreeLayers(tagged=tagged)
-    options = GraphOptions(warmup_steps=1, backend="eager", layers=["layers.*"], on_capture_error=on_capture_error)
-    manager = GraphManager(model, options, torch.device("cpu"))
-    engine = DataParallelEngine(model, DDPOptions())
-    manager.bind_grad_ready(engine.grad_ready)
+    manager, engine = graphed_engine(model, layers=["layers.*"], on_capture_error=on_capture_error)
     got, want = [], []
     for step, x in enumerate(data):
         ref.zero_grad(set_to_none=True)
@@ -229,101 +215,3 @@ def test_capture_error_raise_names_the_layer(request, tagged, fixture, cause):
         request.getfixturevalue(fixture)
     with pytest.raises(GraphCaptureError, match=rf"'layers\.1'.*{cause}"):
         _train_three("raise", tagged)
-
-
-# ----------------------------------------------------------------- callbacks
-def test_callback_overrides_strategy_warmup_steps():
-    strategy = _strategy(warmup_steps=3)
-    _fit_with(strategy, [], steps=6)
-    assert strategy.last_graph_stats.forward_replays == 2 * (6 - 3)
-    strategy = _strategy(warmup_steps=3)
-    _fit_with(strategy, [CUDAGraphCallback(warmup_steps=1, shape_policy="recapture")], steps=6)
-    assert strategy.graph_options.warmup_steps == 1 and strategy.graph_options.shape_policy == "recapture"
-    assert strategy.last_graph_stats.forward_replays == 2 * (6 - 1)
-    with pytest.raises(ValueError, match="shape_policy"):
-        CUDAGraphCallback(shape_policy="sometimes")
-
-
-def _fit_with(strategy, callbacks, steps, ckpt_path=None, root=None, logger=False, progress=False):
-    from lightning.pytorch import Trainer, seed_everything
-
-    from examples.data import TextDataModule
-    from examples.gpt import GPTLightningModule
-    from tests.helpers import GradRecorder
-
-    seed_everything(7, workers=True)
-    model = GPTLightningModule(n_layer=2, d_model=64, n_head=4, block_size=32, lr=3e-3)
-    rec = GradRecorder()
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=logger,
-        enable_checkpointing=any(type(c).__name__ == "ModelCheckpoint" for c in callbacks),
-        enable_progress_bar=progress, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[rec, *callbacks], default_root_dir=root, log_every_n_steps=1,
-    )
-    trainer.fit(model, datamodule=TextDataModule(block_size=32, batch_size=4, max_bytes=2000), ckpt_path=ckpt_path)
-    return model, rec, trainer
-
-
-def test_callback_state_round_trips_and_resume_recaptures(tmp_path):
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    strategy = _strategy(warmup_steps=3)
-    first = CUDAGraphCallback(warmup_steps=1)
-    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2, save_top_k=-1)
-    _fit_with(strategy, [first, ckpt], steps=4, root=tmp_path)
-    assert strategy.last_graph_stats.captures == 1
-    assert strategy.last_graph_stats.forward_replays == 2 * (4 - 1)
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]["CUDAGraphCallback"]
-    assert saved["captures"] == 1
-    assert saved["options"]["warmup_steps"] == 1 and saved["options"]["shape_policy"] == "eager"
-    assert len(saved["signatures"]) == 1 and "Tensor[4, 32, 64]" in saved["signatures"][0]
-
-    # resume with a callback given no arguments: the saved schedule (warmup 1) beats the strategy's 3
-    strategy = _strategy(warmup_steps=3)
-    resumed = CUDAGraphCallback()
-    _, rec, trainer = _fit_with(strategy, [resumed], steps=8, ckpt_path=str(tmp_path / "last.ckpt"), root=tmp_path)
-    assert trainer.global_step == 8 and len(rec.losses) == 4
-    assert strategy.graph_options.warmup_steps == 1
-    stats = strategy.last_graph_stats
-    assert stats.captures == 1  # captured again after the resume ...
-    assert stats.forward_replays == 2 * (8 - 5)  # ... at step 5: one warmup step counted from step 4
-    assert resumed.captures == 2 and resumed.state_dict()["captures"] == 2
-    assert resumed.signatures == saved["signatures"]
-
-
-def test_graph_monitor_metrics_and_progress_bar(tmp_path):
-    from lightning.pytorch import Callback
-    from lightning.pytorch.loggers import CSVLogger
-
-    class BarProbe(Callback):
-        def __init__(self):
-            self.states, self.bar = [], None
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.bar = trainer.progress_bar_callback
-            self.states.append(self.bar.get_metrics(trainer, pl_module).get("graphs"))
-
-    strategy = _strategy(warmup_steps=2)
-    probe = BarProbe()
-    _fit_with(strategy, [GraphMonitor(log_every_n_steps=2), probe], steps=8, logger=CSVLogger(tmp_path),
-              progress=True)
-    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)[0])))
-    logged = [r for r in rows if r.get("graphs/captured")]
-    assert logged, rows[:3]
-    last = logged[-1]
-    for key in ("graphs/capture_s", "graphs/replays_per_step", "graphs/step_time_ms", "graphs/pool_bytes",
-                "graphs/sets", "graphs/eager_fallbacks"):
-        assert last.get(key) not in (None, ""), key
-    assert float(last["graphs/captured"]) == 2.0 and float(last["graphs/replays_per_step"]) == 2.0
-    assert float(last["graphs/capture_s"]) > 0 and float(last["graphs/step_time_ms"]) > 0
-    assert float(last["graphs/pool_bytes"]) == 0.0  # CPU: no device memory
-    assert probe.states[0] == "eager" and probe.states[-1] == "captured 2"
-    assert "get_metrics" not in probe.bar.__dict__  # the wrapper is removed at teardown
-
-
-def test_graph_state_text():
-    from cg_lightning.graphs import GraphStats
-
-    assert graph_state(GraphStats()) == "eager"
-    assert graph_state(GraphStats(captured_runners=4, graph_sets=2, fallback_calls=2)) == "captured 4 in 2 sets, fallback"
-    assert graph_state(GraphStats(captured_runners=2, failed_layers=["layers.1"])) == "captured 2, fallback"
