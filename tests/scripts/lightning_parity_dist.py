@@ -1,0 +1,64 @@
+"""Two-process parity scenarios for ``tests/test_lightning_parity.py``: run under torchrun (2 processes, gloo).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/scripts/lightning_parity_dist.py --out DIR fit gan
+
+Each process trains every named scenario in turn under its reference strategy, then every one again under the
+candidate strategy (:func:`tests.lightning_runs.candidate`), so an import serves both sides and a candidate that
+fails cannot take the reference's results with it. For each side (``reference``, ``candidate``) it writes
+``DIR/<side>/<scenario>.rank<r>.pt`` (the run's facts, :meth:`tests.lightning_runs.Run.facts`) or, if training
+raised, ``DIR/<side>/<scenario>.rank<r>.err`` (the exception's line, then its traceback). Exit status 0 either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+
+from tests.lightning_manual_models import GANModel, ManualModel
+from tests.lightning_models import ParityModel
+from tests.lightning_runs import candidate, train
+
+#: scenario -> (reference strategy, module factory, Trainer arguments); 4 batches per rank and epoch
+SCENARIOS = {
+    "fit": ("ddp", lambda: ParityModel(), dict(max_epochs=2)),
+    "accumulate_clip": ("ddp", lambda: ParityModel(optimizer="adam", lr=0.01),
+                        dict(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.05)),
+    "manual_accumulate": ("ddp", lambda: ManualModel(accumulate=2), dict(max_epochs=2)),
+    "gan": ("ddp_find_unused_parameters_true", GANModel, dict(max_epochs=2)),
+    # the extra head joins the loss on one rank at a time: used somewhere on every step, unused locally
+    "find_unused_by_rank": ("ddp_find_unused_parameters_true", lambda: ParityModel(branch="rank"),
+                            dict(max_epochs=2)),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
+    a = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    for side in ("reference", "candidate"):
+        folder = os.path.join(a.out, side)
+        os.makedirs(folder, exist_ok=True)
+        for name in a.scenarios:
+            reference, model, kwargs = SCENARIOS[name]
+            strategy = reference if side == "reference" else candidate(reference)
+            try:
+                facts = train(strategy, model, devices=2, **kwargs).facts()
+            except Exception as e:  # noqa: BLE001  (reported by the test, scenario by scenario)
+                first = str(e).splitlines()[0] if str(e) else ""
+                with open(os.path.join(folder, f"{name}.rank{rank}.err"), "w") as f:
+                    f.write(f"{type(e).__name__}: {first}\n{traceback.format_exc()}")
+                continue
+            torch.save(facts, os.path.join(folder, f"{name}.rank{rank}.pt"))
+
+if __name__ == "__main__":
+    main()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
