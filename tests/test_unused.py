@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
-from tests.helpers import _DIST_VARS, ROOT, free_port
+from tests.helpers import DIST_VARS, ROOT, free_port
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "unused_dist.py")
 
@@ -37,7 +37,7 @@ def _check(results, graphs):
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_one_process_matches_plain_pytorch(graphs, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     cmd = [sys.executable, SCRIPT, "--out", str(tmp_path)] + (["--graphs"] if graphs else [])
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=120, capture_output=True)
     _check([json.loads((tmp_path / "rank0.json").read_text())], graphs)
@@ -47,7 +47,7 @@ def test_one_process_matches_plain_pytorch(graphs, tmp_path):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("graphs", [False, True])
 def test_two_processes_match_torch_ddp_find_unused(graphs, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), SCRIPT, "--out", str(tmp_path)] + (["--graphs"] if graphs else [])
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
