@@ -31,6 +31,7 @@ Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPU
 from __future__ import annotations
 
 import atexit
+import contextlib
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Generator, Iterator, Optional, Union
 
@@ -49,6 +50,7 @@ from .ddp import DataParallelEngine, DDPOptions
 from .graphs import GraphManager, GraphOptions, GraphStats
 from .lifecycle import TrainingDriver, apply_graphs, build_driver
 from .options import as_options
+from .torch_ddp_options import split_torch_ddp_kwargs
 
 
 def _destroy_process_group_at_exit() -> None:
@@ -65,9 +67,10 @@ class CUDAGraphDDPMixin:
             Trainer's callbacks overrides its schedule fields at setup.
         ddp: :class:`~cg_lightning.ddp.DDPOptions` (or a dict): bucket size (MiB), averaging,
             ``main_grad`` dtype, timeout.
-        **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
-            ``start_method``, ...). torch-DDP-only options (``find_unused_parameters``, comm hooks) are
-            refused because the engine is not torch DDP.
+        **kwargs: Lightning's ``DDPStrategy`` arguments (``process_group_backend``, ``timeout``,
+            ``start_method``, ...) and torch DDP's, mapped onto ``ddp`` (``find_unused_parameters``,
+            ``bucket_cap_mb``, ``broadcast_buffers``), accepted (``static_graph``, ``gradient_as_bucket_view``)
+            or refused with the reason (communication hooks): :mod:`cg_lightning.torch_ddp_options`.
 
     Attributes:
         driver: the :class:`~cg_lightning.lifecycle.TrainingDriver` of the current fit (or of
@@ -79,8 +82,7 @@ class CUDAGraphDDPMixin:
     Raises:
         TypeError, ValueError: ``graphs`` / ``ddp`` values of the wrong type or out of range (naming the option,
             the value and what is accepted); ``TypeError`` also in the other Lightning package's ``Trainer``.
-        ValueError: for options of torch DDP that this engine does not implement, or manual
-            optimization (refused at setup with a message).
+        ValueError: for options of torch DDP that this engine cannot honour.
     """
 
     strategy_name = "cudagraph_ddp"
@@ -92,20 +94,9 @@ class CUDAGraphDDPMixin:
         ddp: Union[DDPOptions, Dict[str, Any], None] = None,
         **kwargs: Any,
     ) -> None:
-        unsupported = sorted(
-            k for k in kwargs if k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
-                                       "bucket_cap_mb", "broadcast_buffers", "ddp_comm_hook",
-                                       "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
-        )
-        if unsupported:
-            raise ValueError(
-                f"CUDAGraphDDPStrategy does not take torch-DDP options {unsupported}: its own engine buckets by "
-                "ddp.bucket_size_mb and requires every trainable parameter to get a gradient every step. Its "
-                "equivalents go in ddp={...}: bucket_size_mb, broadcast_buffers, average, grad_dtype, timeout_s."
-            )
-        super().__init__(**kwargs)
         self.graph_options = as_options(GraphOptions, graphs, "graphs")
-        self.ddp_options = as_options(DDPOptions, ddp, "ddp")
+        lightning_kwargs, self.ddp_options = split_torch_ddp_kwargs(kwargs, as_options(DDPOptions, ddp, "ddp"))
+        super().__init__(**lightning_kwargs)
         self.driver: Optional[TrainingDriver] = None
         self.last_graph_stats: Optional[GraphStats] = None
         self.last_cached_optimizer_steps = 0
@@ -162,13 +153,6 @@ class CUDAGraphDDPMixin:
     def configure_ddp(self) -> None:
         """Graphs on the chosen layers and the project's engine around the LightningModule, in place of
         torch DDP and its communication hooks (the engine registers its own)."""
-        lm = self.lightning_module
-        if lm is not None and not lm.automatic_optimization:
-            raise ValueError(
-                "strategy='cudagraph_ddp' supports automatic optimization only: with manual optimization the "
-                "engine cannot tell when a backward ends. Use strategy='ddp' for this LightningModule, or "
-                "switch it to automatic optimization."
-            )
         # the engine class is looked up in this module when fitting starts, so an experiment can put a subclass
         # in its place (benchmarks/accumulator_stream.py binds gradient accumulators to other streams that way)
         self.driver = build_driver(self.model, self.graph_options, self.ddp_options, self.root_device,
@@ -182,12 +166,18 @@ class CUDAGraphDDPMixin:
         # closure but skipped optimizer.step) leaves them exposed in param.grad: Lightning's optimizer_zero_grad
         # before the next backward clears them there, and the driver's before_backward zeroes main_grad to match;
         # without that zero_grad they accumulate, as under "ddp".
+        # Under manual optimization a training step may hold several forward-backward passes (a GAN's): each
+        # graphed pass after a backward or an optimizer step is a micro-batch of its own.
         driver = self.driver
         if driver is None:
             return super().training_step(*args, **kwargs)
-        driver.begin_micro_batch(self.lightning_module.trainer.global_step)
+        trainer = self.lightning_module.trainer
+        passes = (contextlib.nullcontext() if self.lightning_module.automatic_optimization
+                  else driver.passes_open_micro_batches(lambda: trainer.global_step))
+        driver.begin_micro_batch(trainer.global_step)
         try:
-            return super().training_step(*args, **kwargs)
+            with passes:
+                return super().training_step(*args, **kwargs)
         finally:
             driver.end_forward()
             summary = driver.capture_summary()
@@ -325,6 +315,14 @@ class CUDAGraphDDPMixin:
             description="DDP with per-layer CUDA graphs and an exact main_grad engine (cg-lightning)",
             override=True,
         )
+        for find_unused in (False, True):  # as Lightning's ddp_find_unused_parameters_{false,true}
+            strategy_registry.register(
+                f"{cls.strategy_name}_find_unused_parameters_{str(find_unused).lower()}",
+                cls,
+                description=f"cudagraph_ddp with ddp.find_unused_parameters={find_unused} (cg-lightning)",
+                find_unused_parameters=find_unused,
+                override=True,
+            )
 
 
 class CUDAGraphDDPStrategy(CUDAGraphDDPMixin, DDPStrategy):

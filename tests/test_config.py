@@ -598,17 +598,12 @@ def test_cuda_backend_with_cpu_accelerator_refused(base):
     load_config([base], ["strategy.name=cudagraph_ddp", "strategy.graphs.backend=cuda", "strategy.graphs.enabled=false"])
 
 
-def test_manual_optimization_with_cudagraph_ddp_refused(base, tmp_path, capsys, no_training):
+def test_manual_optimization_with_cudagraph_ddp_trains(base, tmp_path, capsys):
+    """Manual optimization is no conflict for cudagraph_ddp: the run trains and exits 0."""
     root = tmp_path / "runs"
     rc = main(["fit", "--config", base, f"trainer.default_root_dir={root}", *GRAPHS,
                f"model.class_path={HELPERS}.ManualRegressor"])
-    assert rc == 2
-    err = capsys.readouterr().err
-    assert "error: strategy.name: 'cudagraph_ddp' supports automatic optimization only" in err
-    assert "tests.helpers_config.ManualRegressor sets automatic_optimization = False" in err
-    assert "expected strategy.name 'ddp' or 'auto'" in err
-    assert "(strategy.name from command line, model.class_path from command line)" in err
-    assert not root.exists()
+    assert rc == 0, capsys.readouterr().err[-2000:]
 
 
 def test_manual_optimization_with_clipping_or_accumulation_refused(base, tmp_path, capsys, no_training):

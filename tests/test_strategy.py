@@ -57,27 +57,57 @@ def test_graphs_disabled_trains_through_engine():
     assert strategy.last_graph_stats is None
 
 
-def test_torch_ddp_options_refused():
-    with pytest.raises(ValueError, match="find_unused_parameters"):
-        cg_lightning.CUDAGraphDDPStrategy(find_unused_parameters=True)
+def test_torch_ddp_options_map_onto_the_engine_or_are_refused_with_the_reason():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = cg_lightning.CUDAGraphDDPStrategy(find_unused_parameters=True, static_graph=True, bucket_cap_mb=5,
+                                                 gradient_as_bucket_view=False, broadcast_buffers=False,
+                                                 ddp_comm_hook=None, start_method="popen")
+    ddp = strategy.ddp_options
+    assert (ddp.find_unused_parameters, ddp.bucket_size_mb, ddp.broadcast_buffers) == (True, 5, False)
+    assert cg_lightning.CUDAGraphDDPStrategy(static_graph=False).ddp_options == cg_lightning.DDPOptions()
+    for name, value in (("cudagraph_ddp_find_unused_parameters_true", True),
+                        ("cudagraph_ddp_find_unused_parameters_false", False)):
+        assert StrategyRegistry.get(name).ddp_options.find_unused_parameters is value
+    with pytest.raises(ValueError, match=r"ddp_comm_hook=.* cannot be honoured: the engine all-reduces its own"):
+        cg_lightning.CUDAGraphDDPStrategy(ddp_comm_hook=lambda *a: None)
+    with pytest.raises(ValueError, match=r"init_sync=False cannot be honoured"):
+        cg_lightning.CUDAGraphDDPStrategy(init_sync=False)
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=5 contradicts ddp.bucket_size_mb=8"):
+        cg_lightning.CUDAGraphDDPStrategy(bucket_cap_mb=5, ddp={"bucket_size_mb": 8})
+    with pytest.raises(ValueError, match=r"output_devic=0 is not an argument"):
+        cg_lightning.CUDAGraphDDPStrategy(output_devic=0)
 
 
-def test_manual_optimization_refused():
+def test_manual_optimization_with_graphs_equals_ddp():
+    """The example GPT under manual optimization (one optimizer, ``manual_backward``, step, zero_grad): graphs
+    replay, and losses and weights equal "ddp" bit for bit."""
+
     class Manual(GPTLightningModule):
         def __init__(self):
-            super().__init__(n_layer=1, d_model=32, n_head=2, block_size=16)
+            super().__init__(n_layer=2, d_model=32, n_head=2, block_size=16)
             self.automatic_optimization = False
 
         def training_step(self, batch, batch_idx):
             opt = self.optimizers()
             loss = super().training_step(batch, batch_idx)
+            opt.zero_grad()
             self.manual_backward(loss)
             opt.step()
-            opt.zero_grad()
+            return loss
 
-    trainer = make_trainer("cudagraph_ddp", 2)
-    with pytest.raises(ValueError, match="automatic optimization"):
-        trainer.fit(Manual(), datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=50_000))
+    def fit(strategy):
+        torch.manual_seed(0)
+        model = Manual()
+        trainer = make_trainer(strategy, 6)
+        trainer.fit(model, datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=50_000))
+        return model, trainer
+
+    ref, _ = fit("ddp")
+    got, trainer = fit("cudagraph_ddp")
+    assert trainer.strategy.last_graph_stats.forward_replays > 0
+    for (name, p), q in zip(ref.named_parameters(), got.parameters()):
+        assert torch.equal(p, q), name
 
 
 @pytest.mark.distributed

@@ -6,9 +6,9 @@ Three moments, each as early as the information exists:
   ``strategy.graphs.backend: cuda`` with ``trainer.accelerator: cpu``.
 * :func:`check_model`, once the model is built and before the trainer runs (the command line calls
   it): graph layer patterns that select nothing; for ``fit``, manual optimization
-  (``automatic_optimization = False``) with ``strategy.name: cudagraph_ddp`` (the engine cannot tell
-  when a backward ends), with ``trainer.gradient_clip_val`` or with ``trainer.accumulate_grad_batches``
-  above 1 (Lightning only clips and accumulates for automatic optimization).
+  (``automatic_optimization = False``) with ``trainer.gradient_clip_val`` or with
+  ``trainer.accumulate_grad_batches`` above 1 (Lightning only clips and accumulates for automatic
+  optimization).
 * :class:`ShapePolicyDataCheck`, a callback ``build_trainer`` adds when graphs run with
   ``shape_policy: error``: at ``on_train_start`` (training loader built, distributed sampler in place,
   no training batch run yet) it refuses a map-style training loader whose ``BatchSampler`` keeps a
@@ -65,8 +65,8 @@ def check_model(cfg: Any, model: Any, stage: str = "fit") -> None:
 
     Raises:
         ConfigError: one line per conflict: ``strategy.graphs.layers`` selects no module of the model;
-            the model uses manual optimization with ``strategy.name: cudagraph_ddp``, with a
-            ``trainer.gradient_clip_val`` above 0 or with ``trainer.accumulate_grad_batches`` above 1.
+            the model uses manual optimization with a ``trainer.gradient_clip_val`` above 0 or with
+            ``trainer.accumulate_grad_batches`` above 1.
     """
     problems: List[str] = []
     if _graphs_active(cfg):
@@ -78,12 +78,6 @@ def check_model(cfg: Any, model: Any, stage: str = "fit") -> None:
             problems.append(f"strategy.graphs.layers: {exc}" + from_text(cfg, "strategy.graphs.layers"))
     if stage == "fit" and not getattr(model, "automatic_optimization", True):
         what = f"{cfg.model.class_path} sets automatic_optimization = False (manual optimization)"
-        if cfg.strategy.name == "cudagraph_ddp":
-            problems.append(
-                f"strategy.name: 'cudagraph_ddp' supports automatic optimization only (with manual optimization "
-                f"its engine cannot tell when a backward ends), but {what}; expected strategy.name 'ddp' or "
-                f"'auto' for this model" + from_text(cfg, "strategy.name", "model.class_path")
-            )
         clip = cfg.trainer.gradient_clip_val
         if clip is not None and clip > 0:
             problems.append(

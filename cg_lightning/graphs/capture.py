@@ -102,6 +102,7 @@ def _capture_segment_forward(members: Sequence, run) -> None:
                 run(r, r.capture_forward)
     for r in members:
         r.make_static_grad_outputs()
+    members[0].segment.member_runners = list(members)
 
 
 def _capture_segment_backward(members: Sequence, run) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -103,6 +103,10 @@ class GraphManager:
         self._global_step = 0
         self._calls: Dict[int, int] = {}
         self._in_training_step = False
+        #: called at a graphed training call outside a micro-batch (autograd on, module in training mode) to open
+        #: one; a front-end sets it while several forward-backward passes share one training step (manual
+        #: optimization), ``None`` otherwise (such a call then runs eagerly)
+        self.open_on_call: Optional[Callable[[], None]] = None
         self._mode = StepMode.UNSTARTED
         self._recording: Optional[StepRecord] = None
         self._cache_full_warned = False
@@ -257,8 +261,11 @@ class GraphManager:
         return self._replay.call(layer, index, args, kwargs)
 
     def _graphable(self, layer: GraphedLayer) -> bool:
-        return (self.backend is not None and self._in_training_step and layer.module.training
-                and torch.is_grad_enabled())
+        if self.backend is None or not layer.module.training or not torch.is_grad_enabled():
+            return False
+        if not self._in_training_step and self.open_on_call is not None:
+            self.open_on_call()
+        return self._in_training_step
 
     def _ungraphed_call(self, layer: GraphedLayer, args: tuple, kwargs: dict):
         """A call in eval mode, without autograd or outside a training step."""

@@ -89,6 +89,8 @@ class LayerGraphRunner(CallCapture):
         self.module_params = list(module.parameters())
         self._submodules = list(module.modules())
         self._modes = tuple(map(_TRAINING, self._submodules))  # train/eval of each submodule at capture
+        # requires_grad of each parameter at capture (toggle_optimizer flips it between passes)
+        self._grads_needed = tuple(map(_REQUIRES_GRAD, self.module_params))
         samples = signature.tensor_leaves(sample_args, sample_kwargs)
         self.static_inputs = [
             s.detach().clone().requires_grad_(m.requires_grad)
@@ -134,14 +136,25 @@ class LayerGraphRunner(CallCapture):
         never reaches a training graph (it runs eagerly or through :mod:`.eval_graphs`)."""
         return tuple(map(_TRAINING, self._submodules)) == self._modes
 
+    def params_match(self) -> bool:
+        """Every parameter of the layer requires grad as it did at capture (a graph computes the weight
+        gradients of its capture: a layer frozen by ``toggle_optimizer`` must not replay one captured
+        trainable, nor the other way round)."""
+        return tuple(map(_REQUIRES_GRAD, self.module_params)) == self._grads_needed
+
     def settings_match(self) -> bool:
-        """The autocast settings and the submodules' train/eval modes are the captured ones."""
-        return self.autocast_matches() and self.modes_match()
+        """The autocast settings, the submodules' train/eval modes and the parameters' ``requires_grad`` are
+        the captured ones."""
+        return self.autocast_matches() and self.modes_match() and self.params_match()
 
     def mismatches(self, args: tuple, kwargs: dict) -> List[str]:
         """How a call differs from the captured one: argument lines (``CallSignature.mismatches``), the
         autocast settings and the submodules' train/eval modes."""
-        out = self.signature.mismatches(args, kwargs)
+        return self.signature.mismatches(args, kwargs) + self.settings_mismatches()
+
+    def settings_mismatches(self) -> List[str]:
+        """How the autocast settings, train/eval modes and ``requires_grad`` differ from the captured ones."""
+        out = []
         if not self.autocast_matches():
             out.append(f"autocast: captured {guards.describe_autocast(self.autocast)}, "
                        f"got {guards.describe_autocast(autocast_state())}")
@@ -149,6 +162,11 @@ class LayerGraphRunner(CallCapture):
             changed = [name or "(the layer)" for (name, m), was in zip(self.module.named_modules(), self._modes)
                        if m.training != was]
             out.append(f"train/eval mode changed since capture for submodule(s) {changed}")
+        if not self.params_match():
+            changed = [name for (name, p), was in zip(self.module.named_parameters(), self._grads_needed)
+                       if p.requires_grad != was]
+            out.append(f"requires_grad changed since capture for parameter(s) {changed} (toggle_optimizer or "
+                       "freezing)")
         return out
 
     # ----------------------------------------------------------------- building

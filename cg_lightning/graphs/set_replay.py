@@ -28,6 +28,13 @@ from .segments import dispatch as segment_calls
 from .signature import GraphSignatureError
 
 
+def _members_match(segment) -> bool:
+    """The following members of a segment are in their captured settings too (a segment launches all of its
+    members: one frozen by ``toggle_optimizer`` since capture makes the whole segment run eagerly)."""
+    members = segment.member_runners
+    return members is None or all(m.settings_match() for m in members[1:])
+
+
 class SetReplay:
     """Replays calls from the graph set of the current training step.
 
@@ -78,7 +85,8 @@ class SetReplay:
             out = segment_calls.follow(self, layer, runner, args, kwargs)
             if out is not segment_calls.NOT_HANDED:
                 return out
-        if runner is None or not runner.signature.matches(args, kwargs) or not runner.settings_match():
+        if (runner is None or not runner.signature.matches(args, kwargs) or not runner.settings_match()
+                or (runner.segment is not None and not follows and not _members_match(runner.segment))):
             if follows:
                 segment_calls.refuse_other_arguments(layer, runner, args, kwargs)
             return self._fallback(layer, index, runner, args, kwargs)
@@ -113,6 +121,9 @@ class SetReplay:
                    f"{sum(1 for k in self.graph_set.runners if k[0] == id(layer))})"]
         else:
             why = runner.mismatches(args, kwargs)
+            if runner.segment is not None and runner.segment.member_runners:
+                why += [f"segment member {m.name!r}: {line}" for m in runner.segment.member_runners[1:]
+                        for line in m.settings_mismatches()]
         if self.options.shape_policy == "error":
             raise GraphSignatureError(
                 f"layer {layer.name!r} was called with arguments its graph was not captured for:\n  "

@@ -4,7 +4,7 @@ events of a training step (listed in :mod:`cg_lightning.lifecycle`)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -79,6 +79,22 @@ class TrainingDriver:
         self._backward_due = True
         if self.graph_manager is not None:
             self.graph_manager.begin_step(self.completed_steps if step is None else step)
+
+    @contextlib.contextmanager
+    def passes_open_micro_batches(self, step: Callable[[], int]) -> Iterator[None]:
+        """Inside, a graphed layer's training call after a backward (or an optimizer step) opens a new
+        micro-batch at ``step()``: for a training step made of several forward-backward passes (manual
+        optimization: a GAN's discriminator and generator passes), each pass is a micro-batch of its own,
+        graphed as one, instead of running eagerly."""
+        manager = self.graph_manager
+        if manager is None:
+            yield
+            return
+        manager.open_on_call = lambda: self.begin_micro_batch(step())
+        try:
+            yield
+        finally:
+            manager.open_on_call = None
 
     def end_forward(self) -> None:
         """The micro-batch's forward calls are over (its backward comes next, or none at all)."""

@@ -35,6 +35,8 @@ class SegmentState:
         #: the members' runners, in call order, once forward and backward were both captured as segment graphs:
         #: the segment then replays through one autograd node (:mod:`.node`)
         self.node_runners = None
+        #: the members' runners, in call order (set when the forward is captured)
+        self.member_runners = None
         self.handed = None  # this pass's :class:`~.node.HandedOutputs`
         self.members_draw = False  # a member drew random numbers in the recorded step
 
