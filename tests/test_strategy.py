@@ -296,3 +296,30 @@ def test_backward_is_lightnings_with_the_driver_around_autograd():
     assert order.events == window * 3
     assert "backward" not in trainer.precision_plugin.__dict__
 
+
+
+def test_gan_passes_replay_their_own_graph_sets():
+    """A GAN trained by hand with ``toggle_optimizer`` (the generator pass runs the discriminator frozen, the
+    discriminator pass runs it twice, trainable): each pass is a micro-batch whose calls replay a graph set
+    captured for its kind, nothing falls back to eager, and the weights equal
+    "ddp_find_unused_parameters_true" bit for bit."""
+    from lightning.pytorch import Trainer, seed_everything
+    from torch.utils.data import DataLoader
+
+    from tests.lightning_manual_models import GANModel
+    from tests.lightning_models import dataset
+
+    def fit(strategy):
+        seed_everything(0)
+        model = GANModel()
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, DataLoader(dataset(), batch_size=8))
+        return model, trainer
+
+    ref, _ = fit("ddp_find_unused_parameters_true")
+    got, trainer = fit("cudagraph_ddp_find_unused_parameters_true")
+    stats = trainer.strategy.last_graph_stats
+    assert stats.graph_sets == 2 and stats.fallback_calls == 0 and stats.forward_replays > 0, vars(stats)
+    for (name, p), q in zip(ref.named_parameters(), got.parameters()):
+        assert torch.equal(p, q), name

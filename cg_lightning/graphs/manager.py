@@ -99,6 +99,9 @@ class GraphManager:
         self._replay = SetReplay(options, self.stats, device)
         self.eval_graphs: Optional[EvalGraphs] = None  # built at the first eval call with capture_eval on
         self._warmup_record: Optional[StepRecord] = None  # the last warmup step's calls
+        # the latest warmup record of each lead signature while several passes make a training step
+        # (open_on_call set: manual optimization), else just the last one
+        self._warmup_kinds: List[StepRecord] = []
         self._start_step: Optional[int] = None
         self._global_step = 0
         self._calls: Dict[int, int] = {}
@@ -172,11 +175,15 @@ class GraphManager:
         start = self._start_step if self._start_step is not None else 0
         return self.backend is not None and self._global_step >= start + max(1, self.options.warmup_steps)
 
-    def capture(self) -> None:
-        """Capture the calls recorded in the last warmup step now (normally done at the next step)."""
+    def _end_warmup(self) -> None:
+        """Warmup is over: the last warmup record of each lead signature waits for the first micro-batch of its
+        kind, which captures it (:meth:`_start_of_step`), under that micro-batch's own settings (a parameter
+        that ``toggle_optimizer`` froze for one pass of a manual-optimization step stays frozen in its graphs)."""
         if self._warmup_record is not None:
-            record, self._warmup_record = self._warmup_record, None
-            self._sets.capture(record, self.grad_ready, self._segment_ends)
+            kinds, self._warmup_kinds, self._warmup_record = self._warmup_kinds, [], None
+            for record in reversed(kinds):  # the latest first, as the one captured when nothing else matches
+                if not self.cache.full:
+                    self.cache.pending.append(record)
 
     def remove(self) -> None:
         """Restore every layer's original ``forward`` and drop the graphs."""
@@ -185,6 +192,7 @@ class GraphManager:
                 del layer.module.forward
         self.cache.clear()
         self._warmup_record = None
+        self._warmup_kinds = []
         if self.eval_graphs is not None:
             self.eval_graphs.clear()
 
@@ -193,15 +201,25 @@ class GraphManager:
         if all(layer.failure is not None for layer in self.layers):
             self._mode = StepMode.EAGER  # nothing left to capture
             return
-        if not self.capture_due or (not self.cache.sets and not self._warmup_record):
+        if not self.capture_due or (not self.cache.sets and not self.cache.pending and not self._warmup_record):
             self._warmup_record = StepRecord(CallSignature(args, kwargs))
+            if self.open_on_call is None:  # one kind of micro-batch; others follow shape_policy
+                self._warmup_kinds = []
+            self._warmup_kinds = [r for r in self._warmup_kinds if not r.lead.matches(args, kwargs)]
+            self._warmup_kinds.append(self._warmup_record)
             self._mode, self._recording = StepMode.RECORD, self._warmup_record
             return
-        self.capture()
+        self._end_warmup()
         self._mode = StepMode.REPLAY
         replay = self._replay
         replay.graph_set = self.cache.find(args, kwargs)
         if replay.graph_set is not None:
+            return
+        pending = self.cache.pop_pending(args, kwargs)  # a kind seen in warmup, or recorded under "recapture"
+        if pending is not None:
+            replay.graph_set = self._sets.capture(pending, self.grad_ready, self._segment_ends)
+            if replay.graph_set is None:
+                self._mode = StepMode.EAGER
             return
         if self.options.shape_policy != "recapture":
             if self.cache.sets:  # mismatching calls follow the policy (SetReplay)
@@ -209,12 +227,7 @@ class GraphManager:
             else:
                 self._mode = StepMode.EAGER  # every layer failed to capture
             return
-        pending = self.cache.pop_pending(args, kwargs)
-        if pending is not None:
-            replay.graph_set = self._sets.capture(pending, self.grad_ready, self._segment_ends)
-            if replay.graph_set is None:
-                self._mode = StepMode.EAGER
-        elif not self.cache.full:
+        if not self.cache.full:
             self._recording = StepRecord(CallSignature(args, kwargs))
             self.cache.pending.append(self._recording)
             self._mode = StepMode.RECORD

@@ -152,10 +152,11 @@ class LayerGraphRunner(CallCapture):
         autocast settings and the submodules' train/eval modes."""
         return self.signature.mismatches(args, kwargs) + self.settings_mismatches()
 
-    def settings_mismatches(self) -> List[str]:
-        """How the autocast settings, train/eval modes and ``requires_grad`` differ from the captured ones."""
+    def settings_mismatches(self, autocast: bool = True) -> List[str]:
+        """How the autocast settings (unless ``autocast=False``), train/eval modes and ``requires_grad`` differ
+        from the captured ones."""
         out = []
-        if not self.autocast_matches():
+        if autocast and not self.autocast_matches():
             out.append(f"autocast: captured {guards.describe_autocast(self.autocast)}, "
                        f"got {guards.describe_autocast(autocast_state())}")
         if not self.modes_match():

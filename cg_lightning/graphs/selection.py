@@ -1,8 +1,8 @@
 """Which modules of a model get graphs, and the record the graph manager keeps of each.
 
 By default, the repeated blocks: in every ``nn.ModuleList`` and ``nn.Sequential``, the entries with trainable
-parameters of the class that occurs most often there, at least twice (a transformer's blocks, a ResNet stage's
-blocks, not the stem and head around them), outermost first, so that a block's own inner stacks are not
+parameters of the class that occurs most often there (at least twice in an ``nn.Sequential``): a transformer's
+blocks, a ResNet stage's blocks, not the stem and head around them; outermost first, so that a block's own inner stacks are not
 chosen a second time. A model with no such stack (one ``nn.Linear``, a hand-written MLP) gets no graphs:
 :func:`default_layers` returns nothing and the front-ends train it eagerly under the data-parallel engine, with
 a warning that names ``graphs.layers``.
@@ -38,16 +38,20 @@ class GraphedLayer:
 
 
 def _stack_blocks(container: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The entries with trainable parameters of the container's most frequent class: at least two in an
+    ``nn.Sequential`` (a pipeline of different steps), any number in an ``nn.ModuleList`` (a list of layers,
+    one in a one-layer model)."""
     entries = [(key, m) for key, m in container.named_children()
                if any(p.requires_grad for p in m.parameters())]
     counts = Counter(type(m) for _, m in entries)
     most = max(counts.values(), default=0)
-    return [(key, m) for key, m in entries if most >= 2 and counts[type(m)] == most]
+    least = 1 if isinstance(container, nn.ModuleList) else 2
+    return [(key, m) for key, m in entries if most >= least and counts[type(m)] == most]
 
 
 def default_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The repeated blocks (most frequent class, at least twice) of every ``nn.ModuleList`` / ``nn.Sequential``
-    in ``model``, outermost first.
+    """The blocks (most frequent class; at least twice in an ``nn.Sequential``) of every ``nn.ModuleList`` and
+    ``nn.Sequential`` in ``model``, outermost first.
 
     Returns:
         ``(qualified name, module)`` pairs in module order; empty when the model has no such stack.

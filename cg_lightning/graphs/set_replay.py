@@ -29,10 +29,11 @@ from .signature import GraphSignatureError
 
 
 def _members_match(segment) -> bool:
-    """The following members of a segment are in their captured settings too (a segment launches all of its
-    members: one frozen by ``toggle_optimizer`` since capture makes the whole segment run eagerly)."""
+    """The following members of a segment have their captured parameters' ``requires_grad`` and train/eval
+    modes (a segment launches all of its members: one frozen by ``toggle_optimizer`` since capture makes the
+    whole segment run eagerly). Autocast is a property of each call and is checked at the member's call."""
     members = segment.member_runners
-    return members is None or all(m.settings_match() for m in members[1:])
+    return members is None or all(m.params_match() and m.modes_match() for m in members[1:])
 
 
 class SetReplay:
@@ -123,7 +124,7 @@ class SetReplay:
             why = runner.mismatches(args, kwargs)
             if runner.segment is not None and runner.segment.member_runners:
                 why += [f"segment member {m.name!r}: {line}" for m in runner.segment.member_runners[1:]
-                        for line in m.settings_mismatches()]
+                        for line in m.settings_mismatches(autocast=False)]
         if self.options.shape_policy == "error":
             raise GraphSignatureError(
                 f"layer {layer.name!r} was called with arguments its graph was not captured for:\n  "
