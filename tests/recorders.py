@@ -50,7 +50,7 @@ class LifecycleRecorder(Callback):
         self.capture_seconds = []  # GraphStats.capture_seconds after every training batch (grows per capture)
         self.val_runs = []  # (sanity, validation batches, eager calls during the run, replays during the run)
         self.val_losses = []
-        self.clean_starts = []  # (global_step, batch_idx, came right after a validation run, no gradient pending)
+        self.clean_starts = []  # (global_step, batch_idx, came right after a validation run, no param.grad)
         self._after_val = False
         self._val_batches = 0
         self._before = None
@@ -85,10 +85,10 @@ class LifecycleRecorder(Callback):
         self._after_val = True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # what a hook sees: no param.grad at all (main_grad may still hold values that the next backward zeroes
+        # because param.grad is None, as eager PyTorch starts from None)
         clean = all(p.grad is None for p in pl_module.parameters())
-        clean = clean and all(
-            not hasattr(p, "main_grad") or (not p.grad_added_to_main_grad and bool((p.main_grad == 0).all()))
-            for p in pl_module.parameters()
-        )
+        assert all(not hasattr(p, "main_grad") or p.grad is None or p.grad is p.main_grad
+                   for p in pl_module.parameters()), "param.grad set but not the engine's main_grad"
         self.clean_starts.append((trainer.global_step, batch_idx, self._after_val, clean))
         self._after_val = False

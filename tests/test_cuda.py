@@ -186,3 +186,49 @@ def test_two_gpu_direct_grad_ready_segments_parity(tmp_path):
     assert cg["stats"]["direct_ready_params"] == 12 * 12
     assert loss_diff < 1e-6 and weight_diff < 1e-6
     assert all(set(c.values()) == {1} for c in cg["ready_counts"])
+
+
+_LIGHTNING_CASES = {  # case -> (reference strategy, model factory, find_unused, every call replays)
+    "manual_one_optimizer": ("ddp", lambda: _manual()(body="modulelist"), False, True),
+    "manual_accumulate_by_hand": ("ddp", lambda: _manual()(body="modulelist", accumulate=2), False, True),
+    "gan_toggled": ("ddp_find_unused_parameters_true", lambda: _gan()(), True, True),
+    "branch_on_some_steps": ("ddp_find_unused_parameters_true", lambda: _parity()(branch="step"), True, False),
+}
+
+
+def _manual():
+    from tests.lightning_manual_models import ManualModel
+    return ManualModel
+
+
+def _gan():
+    from tests.lightning_manual_models import GANModel
+    return GANModel
+
+
+def _parity():
+    from tests.lightning_models import ParityModel
+    return ParityModel
+
+
+@pytest.mark.parametrize("case", list(_LIGHTNING_CASES))
+def test_cuda_lightning_loops_with_real_graphs_equal_ddp(case):
+    """Manual optimization (one optimizer; accumulation by hand), a GAN whose passes toggle their optimizers (the
+    discriminator's blocks run once in one backward and twice in the other), and a branch used on some steps
+    (find_unused_parameters), on the GPU with real CUDA graphs, fp32 and deterministic kernels: every recorded
+    fact (losses, gradients in the hooks, weights, optimizer states) equals the reference's bit for bit."""
+    import cg_lightning
+    from tests.lightning_runs import assert_same, train
+
+    reference, factory, find_unused, all_replay = _LIGHTNING_CASES[case]
+    ref = train(reference, factory, accelerator="gpu", max_epochs=2)
+    strategy = cg_lightning.CUDAGraphDDPStrategy(find_unused_parameters=find_unused,
+                                                 graphs={"backend": "cuda", "warmup_steps": 2})
+    cand = train(strategy, factory, accelerator="gpu", max_epochs=2)
+    stats = strategy.last_graph_stats
+    print(f"{case}: {stats.forward_replays} replays, {stats.fallback_calls} eager fallbacks, "
+          f"{stats.graph_sets} graph set(s)")
+    assert stats.backend == "cuda" and stats.forward_replays > 0
+    if all_replay:
+        assert stats.fallback_calls == 0
+    assert_same(ref.facts(), cand.facts())

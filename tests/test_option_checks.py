@@ -107,7 +107,8 @@ VALID = {
                "on_capture_error": ["raise", "eager"], "capture_optimizer": [True], "cached_optimizer_step": [False],
                "segments": [False], "capture_eval": [True], "direct_grad_ready": [False]},
     "ddp": {"bucket_size_mb": [0.5, 4], "average": [False], "grad_dtype": [None, "float32", "bfloat16", "float16"],
-            "timeout_s": [1, 2.5], "check_grad_ready": [False], "broadcast_buffers": [False]},
+            "timeout_s": [1, 2.5], "check_grad_ready": [False], "broadcast_buffers": [False],
+            "find_unused_parameters": [True]},
 }
 
 

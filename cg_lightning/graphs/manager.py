@@ -99,8 +99,7 @@ class GraphManager:
         self._replay = SetReplay(options, self.stats, device)
         self.eval_graphs: Optional[EvalGraphs] = None  # built at the first eval call with capture_eval on
         self._warmup_record: Optional[StepRecord] = None  # the last warmup step's calls
-        # the latest warmup record of each lead signature while several passes make a training step
-        # (open_on_call set: manual optimization), else just the last one
+        # the latest warmup record of each lead signature (multi_pass), else just the last one
         self._warmup_kinds: List[StepRecord] = []
         self._start_step: Optional[int] = None
         self._global_step = 0
@@ -110,6 +109,10 @@ class GraphManager:
         #: one; a front-end sets it while several forward-backward passes share one training step (manual
         #: optimization), ``None`` otherwise (such a call then runs eagerly)
         self.open_on_call: Optional[Callable[[], None]] = None
+        #: a step is made of passes of different kinds (a GAN's generator and discriminator passes): the last
+        #: warmup pass of each lead signature is captured as a graph set of its own, at the first pass of its
+        #: kind after warmup; otherwise only the last warmup pass is, and other kinds follow ``shape_policy``
+        self.multi_pass = False
         self._mode = StepMode.UNSTARTED
         self._recording: Optional[StepRecord] = None
         self._cache_full_warned = False
@@ -203,7 +206,7 @@ class GraphManager:
             return
         if not self.capture_due or (not self.cache.sets and not self.cache.pending and not self._warmup_record):
             self._warmup_record = StepRecord(CallSignature(args, kwargs))
-            if self.open_on_call is None:  # one kind of micro-batch; others follow shape_policy
+            if not self.multi_pass:  # one kind of micro-batch; others follow shape_policy
                 self._warmup_kinds = []
             self._warmup_kinds = [r for r in self._warmup_kinds if not r.lead.matches(args, kwargs)]
             self._warmup_kinds.append(self._warmup_record)
