@@ -130,7 +130,8 @@ class GANModel(LightningModule):
 
         self.toggle_optimizer(opt_g)
         fake = self.generate(z)
-        g_loss = F.mse_loss(self.discriminate(fake), torch.ones(real.shape[0], 1, dtype=real.dtype))
+        ones = torch.ones(real.shape[0], 1, dtype=real.dtype, device=real.device)
+        g_loss = F.mse_loss(self.discriminate(fake), ones)
         self.manual_backward(g_loss)
         opt_g.step()
         opt_g.zero_grad()
