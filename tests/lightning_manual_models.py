@@ -3,6 +3,8 @@ and a variant of each module that logs which of its own hooks Lightning calls, i
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,10 +23,11 @@ class ManualModel(ParityModel):
         schedule: step the learning-rate scheduler by hand at each epoch end (build with ``scheduler="epoch"``).
     """
 
-    def __init__(self, accumulate: int = 1, closure: bool = False, schedule: bool = False, **kwargs) -> None:
+    def __init__(self, accumulate: int = 1, closure: bool = False, schedule: bool = False, no_sync: bool = False,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.automatic_optimization = False
-        self.accumulate, self.closure, self.schedule = accumulate, closure, schedule
+        self.accumulate, self.closure, self.schedule, self.no_sync = accumulate, closure, schedule, no_sync
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -38,8 +41,12 @@ class ManualModel(ParityModel):
             loss = opt.step(closure=closure)
         else:
             loss = self.loss(batch, batch_idx)
-            self.manual_backward(loss / self.accumulate)
-            if (batch_idx + 1) % self.accumulate == 0:
+            steps = (batch_idx + 1) % self.accumulate == 0
+            # the strategy's block_backward_sync skips the gradient all-reduce of accumulating backwards
+            with (self.trainer.strategy.block_backward_sync() if self.no_sync and not steps
+                  else contextlib.nullcontext()):
+                self.manual_backward(loss / self.accumulate)
+            if steps:
                 opt.step()
                 opt.zero_grad()
         self.log("train_loss", loss)

@@ -172,9 +172,10 @@ def test_resume_mid_epoch_restores_loop_state(tmp_path):
 
 
 # ----------------------------------------------------------------- manual optimization
-@pytest.mark.parametrize("kwargs", [{}, {"accumulate": 2}, {"closure": True},
+@pytest.mark.parametrize("kwargs", [{}, {"accumulate": 2}, {"accumulate": 2, "no_sync": True}, {"closure": True},
                                     {"schedule": True, "scheduler": "epoch"}],
-                         ids=["one_optimizer", "accumulate_by_hand", "step_with_closure", "scheduler_by_hand"])
+                         ids=["one_optimizer", "accumulate_by_hand", "accumulate_without_sync", "step_with_closure",
+                              "scheduler_by_hand"])
 def test_manual_optimization(kwargs):
     check("ddp", lambda: ManualModel(**kwargs), max_epochs=2)
 
@@ -231,7 +232,8 @@ def test_comparison_names_the_first_difference():
 
 
 # ----------------------------------------------------------------- two processes over gloo
-DIST_SCENARIOS = ["fit", "accumulate_clip", "manual_accumulate", "gan", "find_unused_by_rank"]
+DIST_SCENARIOS = ["fit", "accumulate_clip", "manual_accumulate", "manual_accumulate_no_sync", "gan",
+                  "find_unused_by_rank"]
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ SCENARIOS = {
     "accumulate_clip": ("ddp", lambda: ParityModel(optimizer="adam", lr=0.01),
                         dict(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.05)),
     "manual_accumulate": ("ddp", lambda: ManualModel(accumulate=2), dict(max_epochs=2)),
+    "manual_accumulate_no_sync": ("ddp", lambda: ManualModel(accumulate=2, no_sync=True), dict(max_epochs=2)),
     "gan": ("ddp_find_unused_parameters_true", GANModel, dict(max_epochs=2)),
     # the extra head joins the loss on one rank at a time: used somewhere on every step, unused locally
     "find_unused_by_rank": ("ddp_find_unused_parameters_true", lambda: ParityModel(branch="rank"),
