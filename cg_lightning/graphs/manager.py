@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
+from . import outer_checkpoint
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
 from .graph_sets import GraphSetCache, GraphStats, describe
@@ -87,8 +88,13 @@ class GraphManager:
         self.backend = make_backend(options.backend, device) if options.enabled else None
         self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
         self.layers: List[GraphedLayer] = []
+        self._held: List[nn.Module] = []  # layers whose checkpoint around __call__ moved inside (.outer_checkpoint)
         for name, module in select_layers(model, options.layers):
-            layer = GraphedLayer(name, module, module.forward)
+            forward = module.forward
+            if outer_checkpoint.checkpoints_around_call(module):  # transformers' checkpointing layers
+                forward = outer_checkpoint.checkpointed_forward(module, forward)
+                self._held.append(module)
+            layer = GraphedLayer(name, module, forward)
             module.forward = self._make_dispatch(layer)
             self.layers.append(layer)
         self.cache = GraphSetCache(options.max_graph_sets)
@@ -116,6 +122,8 @@ class GraphManager:
         self._mode = StepMode.UNSTARTED
         self._recording: Optional[StepRecord] = None
         self._cache_full_warned = False
+        self._nothing_warned = False
+        self._no_grad_calls = 0  # this micro-batch's training-mode calls without autograd (_warn_nothing_graphed)
         self._segment_ends: Set[Tuple[int, int]] = set()  # graphs.segments: (id(layer), index) of recorded calls
         # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
@@ -151,14 +159,40 @@ class GraphManager:
             self._start_step = global_step
         self.cache.limit = self.options.max_graph_sets
         self._global_step = global_step
+        for module in self._held:
+            outer_checkpoint.hold(module)
         self._replay.begin_step()
         self._calls = {}
+        self._no_grad_calls = 0
         self._in_training_step = True
         self._mode = StepMode.UNSTARTED
         self._recording = None
 
     def end_step(self) -> None:
+        """End of a training micro-batch's forward calls. Warns once when warmup is over and still nothing is
+        graphed because no call of this forward could be (:meth:`_warn_nothing_graphed`)."""
         self._in_training_step = False
+        if (self._mode is StepMode.UNSTARTED and not self._nothing_warned and self.capture_due
+                and not self.cache.sets and not self.cache.pending):
+            self._nothing_warned = True
+            self._warn_nothing_graphed()
+
+    def _warn_nothing_graphed(self) -> None:
+        names = ", ".join(layer.name for layer in self.layers[:4]) + (", ..." if len(self.layers) > 4 else "")
+        if self._no_grad_calls:
+            why = (f"ran {self._no_grad_calls} times in training mode but without autograd: under torch.no_grad(), or "
+                   "inside an activation checkpoint around the layer (a reentrant torch.utils.checkpoint runs its "
+                   "forward without autograd). Checkpoint inside the layer instead (cg_lightning.checkpoint, or "
+                   "torch.utils.checkpoint within its forward)")
+        else:
+            why = ("were not called in training mode with autograd on. Check that the training step calls them "
+                   "(graphs.layers names the modules to graph)")
+        warnings.warn(
+            f"cg_lightning: nothing is graphed: the {self.options.warmup_steps} warmup step(s) are over, but in this "
+            f"training step the selected layers ({names}) {why}. These calls run eagerly: training stays correct "
+            "and gains no speed. This warning is given once.",
+            stacklevel=3,
+        )
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Called with the loss before the backward of a training micro-batch. In a recorded step
@@ -193,6 +227,8 @@ class GraphManager:
         for layer in self.layers:
             if layer.module.__dict__.get("forward") is not None:
                 del layer.module.forward
+        for module in self._held:
+            outer_checkpoint.release(module)
         self.cache.clear()
         self._warmup_record = None
         self._warmup_kinds = []
@@ -285,6 +321,8 @@ class GraphManager:
 
     def _ungraphed_call(self, layer: GraphedLayer, args: tuple, kwargs: dict):
         """A call in eval mode, without autograd or outside a training step."""
+        if self._in_training_step and layer.module.training and not torch.is_grad_enabled():
+            self._no_grad_calls += 1
         if self._mode is StepMode.REPLAY and self._in_training_step:
             self._replay.refuse_pending_member(layer, self._calls.get(id(layer), 0))
         if (self.options.capture_eval and self.backend is not None and not layer.module.training

@@ -1,0 +1,81 @@
+"""Models nobody here wrote, from ``transformers`` (random tiny configs, no downloads), trained in Lightning.
+
+``HFModule`` wraps any ``transformers`` causal-LM (or seq2seq) model: its training step is the model's own loss
+on a batch of token ids (labels = the ids). ``fit_hf`` trains one under a strategy with a fixed seed and data,
+so a run under ``"ddp"`` and one under ``cudagraph_ddp`` see the same model and batches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers import make_trainer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+SEQ = 16
+
+
+def tiny_llama(**overrides):
+    """A 3-layer ``LlamaForCausalLM``, hidden size 32."""
+    config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **overrides}))
+
+
+def tiny_qwen2_moe(**overrides):
+    """A 2-layer ``Qwen2MoeForCausalLM`` with 4 experts (2 per token) and a shared expert."""
+    config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                  decoder_sparse_step=1, router_aux_loss_coef=0.01)
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**config, **overrides}))
+
+
+class HFModule(LightningModule):
+    """``build()``'s model trained on its own language-model loss; ``forward_kwargs`` go to every forward,
+    ``prepare(model)`` runs on the built model (e.g. ``gradient_checkpointing_enable``)."""
+
+    def __init__(self, build: Callable, forward_kwargs: Optional[Dict] = None,
+                 prepare: Optional[Callable] = None, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.model = build()
+        if prepare is not None:
+            prepare(self.model)
+        self.forward_kwargs = dict(forward_kwargs or {})
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        out = self.model(input_ids=ids, labels=ids, **self.forward_kwargs)
+        return out.loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def token_loader(n: int = 64, seq: int = SEQ, batch_size: int = 4, seed: int = 1) -> DataLoader:
+    ids = torch.randint(0, VOCAB, (n, seq), generator=torch.Generator().manual_seed(seed))
+    return DataLoader(TensorDataset(ids), batch_size=batch_size)
+
+
+def fit_hf(strategy, build: Callable, steps: int = 6, *, seed: int = 0, callbacks=(), **module_kwargs):
+    """Seed, build ``HFModule(build, **module_kwargs)`` and fit it for ``steps`` steps on :func:`token_loader`.
+    Returns (module, trainer)."""
+    seed_everything(seed, workers=True)
+    module = HFModule(build, **module_kwargs)
+    trainer = make_trainer(strategy, steps, callbacks)
+    trainer.fit(module, token_loader())
+    return module, trainer
+
+
+def assert_same_weights(got: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """Every parameter bit-equal (names the first that differs)."""
+    for (name, p), q in zip(got.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), f"{name}: max abs diff {(p - q).abs().max().item():.3g}"
