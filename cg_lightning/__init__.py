@@ -33,11 +33,12 @@ _EXPORTS = {
     "is_graph_capturing": "cg_lightning.graphs",
     "is_graph_warmup": "cg_lightning.graphs",
     "make_graphed_callables": "cg_lightning.graphs.callables",
+    "pad_to_multiple": "cg_lightning.collate",
 }
 
 #: subpackages and modules reachable as attributes of the package (``cg_lightning.callbacks``)
 _SUBMODULES = frozenset({
-    "accelerate", "callbacks", "cli", "config", "ddp", "graphs", "optim", "options", "phase", "protocol",
+    "accelerate", "callbacks", "cli", "collate", "config", "ddp", "graphs", "optim", "options", "phase", "protocol",
     "pytorch_lightning", "strategy", "torch_compat",
 })
 
@@ -56,6 +57,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve t
         is_graph_capturing,
         is_graph_warmup,
     )
+    from .collate import pad_to_multiple  # noqa: F401
     from .graphs.callables import make_graphed_callables  # noqa: F401
     from .strategy import CUDAGraphDDPStrategy  # noqa: F401
 

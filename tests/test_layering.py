@@ -15,7 +15,7 @@ from tests.helpers import ROOT
 
 FRONT_ENDS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "omegaconf")
 TORCH_ONLY = ("graphs", "ddp", "optim")
-TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py", "option_checks.py")
+TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py", "option_checks.py", "collate.py")
 
 
 def _run(code: str) -> str:
@@ -40,7 +40,7 @@ def test_engine_packages_load_no_front_end_at_run_time():
     out = _run(textwrap.dedent("""
         import importlib, pkgutil
         import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol, cg_lightning.phase
-        import cg_lightning.torch_compat, cg_lightning.optim, cg_lightning.option_checks
+        import cg_lightning.torch_compat, cg_lightning.optim, cg_lightning.option_checks, cg_lightning.collate
         for pkg in (cg_lightning.graphs, cg_lightning.ddp, cg_lightning.optim):
             for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 importlib.import_module(info.name)
