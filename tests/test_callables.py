@@ -1,7 +1,12 @@
-"""``cg_lightning.make_graphed_callables``: returned-gradient lifetime (pytorch/pytorch#181723).
+"""``cg_lightning.make_graphed_callables``: returned-gradient lifetime (pytorch/pytorch#181723), and calls whose
+tensors differ from the samples in ``requires_grad`` or dtype (accepted where the replay gives eager's result,
+refused with a message otherwise; the cases of PyTorch's ``test_graph_make_graphed_callables*`` in
+test/test_cuda.py among them).
 
 Each case runs on the eager backend (CPU) and, with the ``cuda`` marker, on real CUDA graphs.
 """
+
+import copy
 
 import pytest
 import torch
@@ -256,3 +261,269 @@ def test_torch_positional_signature_is_accepted():
     expected = m.lin.weight.sum(0).expand(2, 8)
     torch.testing.assert_close(x.grad, expected, rtol=1e-6, atol=1e-6)
     assert u.grad is None
+
+
+# ----------------------------------------------------------------- calls that differ in requires_grad or dtype
+def _low(device):
+    """The autocast dtype of the cases: bfloat16 on CPU, float16 on CUDA (as PyTorch's own test)."""
+    return torch.bfloat16 if device == "cpu" else torch.float16
+
+
+def _autocast(device, enabled=True):
+    return torch.autocast(device, dtype=_low(device), enabled=enabled, cache_enabled=False)
+
+
+class _GatherRows(nn.Module):
+    """No parameters: picks row ``i`` of ``x`` for row ``i`` of the output (an exact operation in any dtype)."""
+
+    def forward(self, inputs: dict):
+        x = inputs["x"]
+        idx = torch.arange(x.size(0), device=x.device).view(-1, 1).repeat(1, x.size(1))
+        return {"output": torch.gather(x, 0, idx)}
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "autocast"])
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_parameterless_module_sampled_without_grad_called_with_grad_inputs(backend, device, amp):
+    """Sampled with inputs that do not require grad, called with ones that do: the forward replays and matches the
+    eager module bit for bit (outputs require grad, as eager ones do); the backward pass, which would need the
+    gradient the graph never computes, raises naming the input."""
+    x = torch.randn(64, 32, device=device)
+    unused = torch.randn(64, 16, device=device)
+    with _autocast(device, amp):
+        graphed = cg_lightning.make_graphed_callables(_GatherRows(), ({"x": x, "unused_input": unused},),
+                                                      allow_unused_input=True, backend=backend)
+    control = _GatherRows()
+    for _ in range(3):
+        data = torch.rand_like(x, requires_grad=True)
+        with _autocast(device, amp):
+            got = graphed({"x": data, "unused_input": unused})["output"]
+            ref = control({"x": data, "unused_input": unused})["output"]
+        assert got.requires_grad and ref.requires_grad
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    with pytest.raises(cg_lightning.GraphSignatureError,
+                       match=r"args\[0\]\['x'\] was sampled without requires_grad and given with it; this backward pass "
+                             r"needs its gradient"):
+        got.sum().backward()
+    graphed.eval()  # captured in training mode: eval runs the module itself
+    control.eval()
+    torch.testing.assert_close(graphed({"x": x})["output"], control({"x": x})["output"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_module_sampled_on_data_called_on_activations(backend, device):
+    """A Linear sampled with a data-like input (no grad), called on an activation: forward and parameter gradients
+    as in eager code (1e-6); a backward pass that needs the activation's gradient raises naming ``args[0]`` (torch's
+    function returns no gradient for it, silently); one that leaves the activation out (``inputs=``) or runs under
+    ``no_grad`` is served."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32).to(device)
+    ref = copy.deepcopy(lin)
+    cg_lightning.make_graphed_callables(lin, (torch.randn(8, 32, device=device),), backend=backend)
+    h = torch.randn(8, 32, device=device, requires_grad=True)
+    out, ref_out = lin(h * 2), ref(h * 2)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    params = list(lin.parameters())
+    out.sum().backward(inputs=params)
+    ref_out.sum().backward(inputs=list(ref.parameters()))
+    assert h.grad is None
+    for p, q in zip(params, ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(h), ref(h), rtol=1e-6, atol=1e-6)
+    with pytest.raises(cg_lightning.GraphSignatureError,
+                       match=r"'Linear#0': args\[0\] was sampled without requires_grad.*Sample it with "
+                             r"requires_grad=True, or pass it \.detach\(\)ed"):
+        lin(h * 2).sum().backward()
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_module_sampled_with_grad_called_without_matches_eager(backend, device):
+    """Sampled with ``requires_grad``, called on data: the graph's input gradient is dropped, the outputs and
+    parameter gradients are eager's (1e-6)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32).to(device)
+    ref = copy.deepcopy(lin)
+    cg_lightning.make_graphed_callables(lin, (torch.randn(8, 32, device=device, requires_grad=True),), backend=backend)
+    x = torch.randn(8, 32, device=device)
+    out, ref_out = lin(x), ref(x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    out.square().sum().backward()
+    ref_out.square().sum().backward()
+    for p, q in zip(lin.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
+class _MLPOnDict(nn.Module):
+    def __init__(self, d_in, hidden, d_out, drop):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.Dropout(drop), nn.Linear(hidden, d_out), nn.Dropout(drop))
+
+    def forward(self, inputs: dict):
+        return self.net(inputs["x"])
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "autocast"])
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_chain_of_modules_and_functions_trains_like_eager(backend, device, amp):
+    """Two MLPs, a parameterless module and two functions (relu, mse loss) graphed together, trained 4 SGD steps
+    under autocast or not: the same weights as eager training (bit for bit on the eager backend, 1e-6 on CUDA).
+    Under autocast the second MLP, sampled float32, receives the first one's low-precision output: it is only cast
+    (by its first Linear), so the call is accepted. The parameterless module and the functions read their input at
+    its own precision, so they are sampled in the dtype they receive. On CUDA a replay draws its own dropout mask
+    (graph-safe RNG), so there the dropout probability is 0."""
+    drop = 0.1 if backend == "eager" else 0.0
+    n, d_in, hidden, d_out = 32, 64, 48, 16
+
+    def model():
+        torch.manual_seed(5)
+        return nn.Sequential(_MLPOnDict(d_in, hidden, hidden, drop), _MLPOnDict(hidden, hidden, d_out, drop),
+                             _GatherRows()).to(device)
+
+    graphed_model, control = model(), model()
+    act = _low(device) if amp else torch.float32
+    x = torch.randn(n, d_in, device=device)
+    unused = torch.randn(n, hidden, device=device, requires_grad=True)
+    h = torch.randn(n, hidden, device=device, requires_grad=True)
+    h2 = torch.randn(n, d_out, device=device, dtype=act, requires_grad=True)
+    y = torch.randn(n, d_out, device=device)
+    relu, loss_fn = torch.nn.functional.relu, torch.nn.functional.mse_loss
+    with _autocast(device, amp):
+        *_, relu_graphed, loss_graphed = cg_lightning.make_graphed_callables(
+            (graphed_model[0], graphed_model[1], graphed_model[2], relu, loss_fn),
+            (({"x": x, "unused_input": unused},), ({"x": h},), ({"x": h2},), (h2.detach().requires_grad_(),),
+             (h2.detach().requires_grad_(), y)),
+            allow_unused_input=True, backend=backend,
+        )
+    data = [(torch.rand_like(x), torch.rand_like(y)) for _ in range(4)]
+    for m, act_fn, loss_of in ((graphed_model, relu_graphed, loss_graphed), (control, relu, loss_fn)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        torch.manual_seed(5)
+        for inp, target in data:
+            opt.zero_grad(set_to_none=True)
+            with _autocast(device, amp):
+                hidden_out = m[1]({"x": m[0]({"x": inp, "unused_input": unused})})
+                loss = loss_of(act_fn(m[2]({"x": hidden_out})["output"]), target)
+            loss.backward()
+            opt.step()
+    tol = 0 if backend == "eager" else 1e-6
+    for (name, p), q in zip(graphed_model.named_parameters(), control.parameters()):
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=name)
+    assert unused.grad is None
+    graphed_model.eval()
+    control.eval()
+    probe = {"x": data[0][0]}
+    torch.testing.assert_close(graphed_model[1]({"x": graphed_model[0](probe)}),
+                               control[1]({"x": control[0](probe)}), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_autocast_input_only_cast_on_entry_matches_eager(backend, device):
+    """A float32-sampled block whose input is read only by autocast's cast (its first Linear), called with the
+    low-precision output of the layer before it: outputs, input gradient and parameter gradients are those of the
+    eager block, bit for bit on the eager backend (1e-6 on CUDA)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)).to(device)
+    ref = copy.deepcopy(block)
+    with _autocast(device):
+        cg_lightning.make_graphed_callables(block, (torch.randn(8, 32, device=device, requires_grad=True),),
+                                            backend=backend)
+    tol = 0 if backend == "eager" else 1e-6
+    for _ in range(2):
+        x = torch.randn(8, 32, device=device, dtype=_low(device), requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        dy = torch.randn(8, 32, device=device)
+        with _autocast(device):
+            out, ref_out = block(x), ref(x_ref)
+        assert out.dtype == ref_out.dtype == _low(device)
+        torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+        out.float().backward(dy)
+        ref_out.float().backward(dy)
+        assert x.grad.dtype == _low(device)
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=tol, atol=tol)
+    for p, q in zip(block.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+class _KeepsInputDtype(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x).to(x.dtype)
+
+
+class _TwoProjections(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.q(x) * self.k(x)
+
+
+@pytest.mark.parametrize("make,why", [
+    (_GatherRows, r"the callable reads it with aten\.gather .*; output\['output'\] would be float32 \[8, 16\] where "
+                  r"eager code returns bfloat16"),
+    (_Residual, r"the callable reads it with aten\.add\.Tensor .*so the graph would compute in float32 where eager "
+                r"code computes in bfloat16"),
+    (_KeepsInputDtype, r"a capture-time run with a bfloat16 argument differs from eager code: output would be "
+                       r"float32 \[8, 16\] where eager code returns bfloat16"),
+    (_TwoProjections, r"it is cast 2 times: the graph sums the casts' gradients in float32, eager code in bfloat16"),
+], ids=["gather", "residual", "reads-dtype", "two-casts-with-grad"])
+def test_autocast_input_read_at_its_own_precision_is_refused(make, why):
+    """Where a copy into the float32 buffer would not give eager's result, the call raises GraphSignatureError
+    saying why and what to do, instead of computing in float32 (torch's function does, silently)."""
+    module = make()
+    wrap = (lambda t: ({"x": t},)) if isinstance(module, _GatherRows) else (lambda t: (t,))
+    with _autocast("cpu"):
+        graphed = cg_lightning.make_graphed_callables(module, wrap(torch.randn(8, 16, requires_grad=True)),
+                                                      backend="eager")
+        with pytest.raises(cg_lightning.GraphSignatureError,
+                           match=r"sampled float32, called with bfloat16: " + why + r".*Sample it in bfloat16 \(the "
+                                 r"dtype it has in the training step\)"):
+            graphed(*wrap(torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)))
+
+
+def test_autocast_input_cast_twice_without_gradient_matches_eager():
+    """Two casts of an input that needs no gradient: both projections see eager's bfloat16 values, bit for bit."""
+    torch.manual_seed(0)
+    module = _TwoProjections()
+    ref = copy.deepcopy(module)
+    with _autocast("cpu"):
+        cg_lightning.make_graphed_callables(module, (torch.randn(8, 16),), backend="eager")
+        x = torch.randn(8, 16, dtype=torch.bfloat16)
+        out, ref_out = module(x), ref(x)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    out.float().sum().backward()
+    ref_out.float().sum().backward()
+    for p, q in zip(module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_other_dtype_differences_are_refused():
+    """Without autocast a bfloat16 call of a float32 graph would compute in float32 where eager code computes in
+    bfloat16; a float32 call of a bfloat16 graph would round its input."""
+    lin = nn.Linear(16, 16)
+    cg_lightning.make_graphed_callables(lin, (torch.randn(4, 16, requires_grad=True),), backend="eager")
+    with pytest.raises(cg_lightning.GraphSignatureError,
+                       match=r"args\[0\]: sampled float32, called with bfloat16: the graph would compute on a float32 "
+                             r"copy where eager code computes with the bfloat16 tensor"):
+        lin(torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True))
+    low = nn.Linear(16, 16).to(torch.bfloat16)
+    cg_lightning.make_graphed_callables(low, (torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True),),
+                                        backend="eager")
+    with pytest.raises(cg_lightning.GraphSignatureError,
+                       match=r"sampled bfloat16, called with float32: the copy into the bfloat16 static buffer would "
+                             r"round it"):
+        low(torch.randn(4, 16, requires_grad=True))

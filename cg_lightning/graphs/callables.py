@@ -12,6 +12,11 @@ Differences from the torch function (torch 2.11), all deliberate:
   reentrant checkpointing bypassed during capture, autocast's cast cache disabled during capture.
 * ``backend="eager"`` (or ``"auto"`` with CPU samples) runs the same bookkeeping without CUDA.
 * RNG states and module buffers are restored after warmup and capture.
+* A call whose tensors differ from the samples only in ``requires_grad`` or dtype is served where the replay
+  gives eager's result, and refused with :class:`GraphSignatureError` naming the argument where torch's function
+  would silently give another (:mod:`.relaxed_calls`): an input sampled without ``requires_grad`` may come with it
+  (a backward pass that needs its gradient, which the graph does not compute, raises); under autocast a
+  float32-sampled input may come in autocast's dtype where the callable only casts it. Any other difference raises.
 """
 
 from __future__ import annotations
@@ -23,23 +28,25 @@ import torch.nn as nn
 
 from .backends import make_backend
 from .capture import capture_in_order
+from .relaxed_calls import RelaxedCalls
 from .replay import ReplayFunction
 from .runner import LayerGraphRunner
-from .signature import CallSignature, GraphSignatureError
+from .signature import CallSignature
 
 
-def _graphed(runner: LayerGraphRunner, fallback: Callable, module: Optional[nn.Module], training: bool):
+def _graphed(runner: LayerGraphRunner, relaxed: RelaxedCalls, fallback: Callable, module: Optional[nn.Module],
+             training: bool):
     def call(*args, **kwargs):
         if module is not None and module.training != training:
             return fallback(*args, **kwargs)
-        if not runner.signature.matches(args, kwargs):
-            raise GraphSignatureError(
-                f"graphed callable {runner.name!r} called with arguments it was not captured for:\n  "
-                + "\n  ".join(runner.signature.mismatches(args, kwargs))
-            )
         tensors = runner.signature.tensor_leaves(args, kwargs)
-        flat = ReplayFunction.apply(runner, *tensors, *runner.apply_edges)
-        return runner.output_structure(flat)
+        if runner.signature.matches(args, kwargs):
+            return runner.output_structure(ReplayFunction.apply(runner, *tensors, *runner.apply_edges))
+        # another dtype or requires_grad: accepted where the replay gives eager's result (relaxed_calls)
+        extra = relaxed.admit(args, kwargs)
+        replayed = [t.detach() if k in extra else t for k, t in enumerate(tensors)]
+        flat = ReplayFunction.apply(runner, *replayed, *runner.apply_edges)
+        return runner.output_structure(relaxed.guard(flat, tensors, extra) if extra else flat)
 
     call.runner = runner
     return call
@@ -67,7 +74,9 @@ def make_graphed_callables(
 
     Args:
         callables: ``nn.Module`` or function, or a tuple of them.
-        sample_args: tensors (shapes, dtypes, ``requires_grad`` as in real calls), or a tuple of tuples.
+        sample_args: tensors (shapes, dtypes, ``requires_grad`` as in real calls), or a tuple of tuples. Under
+            autocast, give an input the dtype it has in the training step (a previous layer's output is in
+            autocast's dtype).
         num_warmup_iters: eager warmup passes per callable before capture (>= 1).
         allow_unused_input: accepted for torch's signature; an input the outputs do not depend on always
             gets a ``None`` gradient here (torch raises for it unless this is true).
@@ -86,7 +95,9 @@ def make_graphed_callables(
 
     Raises:
         GraphCaptureError: if a callable cannot be captured (message names it and the cause).
-        GraphSignatureError: at call time, if the arguments differ from the samples.
+        GraphSignatureError: at call time, if the arguments differ from the samples other than in a way the
+            replay still serves (see the module docstring); in backward, if it needs the gradient of an input
+            sampled without ``requires_grad``.
         BufferReuseError: at call time, in memory-saving mode, if callable ``i+1`` is not given callable
             ``i``'s output.
         ValueError: on mismatched lengths of ``callables``/``sample_args``/``sample_kwargs``.
@@ -130,12 +141,15 @@ def make_graphed_callables(
     owners = [m for m in modules if m is not None]
     holder = nn.ModuleList(owners)
     capture_in_order(runners, holder, owners, restore_grads=False, reuse_buffers=reuse_graph_buffers)
+    relaxed = [RelaxedCalls(runner) for runner in runners]
+    for checks in relaxed:
+        checks.probe()
     results = []
-    for fn, module, runner in zip(callables, modules, runners):
+    for fn, module, runner, checks in zip(callables, modules, runners, relaxed):
         if module is not None:
-            graphed = _graphed(runner, module.forward, module, module.training)
+            graphed = _graphed(runner, checks, module.forward, module, module.training)
             module.forward = graphed
             results.append(module)
         else:
-            results.append(_graphed(runner, fn, None, True))
+            results.append(_graphed(runner, checks, fn, None, True))
     return results[0] if single else tuple(results)
