@@ -226,17 +226,36 @@ def test_host_sync_inside_a_graphed_layer_is_a_named_error(layer_cls, what):
         model(torch.randn(4, 16))
 
 
-def test_hooks_on_submodules_are_refused_at_capture():
+def test_hooks_on_submodules_are_refused_at_setup():
     from cg_lightning import GraphCaptureError
 
     model = em.Stack(em.SeedLayer, 16, 1, recompute=False)
     model.layers[0].projection.register_forward_hook(lambda *a: None)
-    manager = graph_manager(model, layers=["layers.*"])
-    manager.begin_step(0)
-    model(torch.randn(4, 16)).backward()
-    manager.begin_step(1)
     with pytest.raises(GraphCaptureError, match=r"forward hook on submodule 'projection' would run once at capture"):
+        graph_manager(model, layers=["layers.*"])
+
+
+def test_hooks_added_after_setup_are_refused_at_the_first_warmup_call():
+    """Not after the warmup steps: the first recorded call of the layer sees the hook."""
+    from cg_lightning import GraphCaptureError
+
+    model = em.Stack(em.SeedLayer, 16, 1, recompute=False)
+    manager = graph_manager(model, layers=["layers.*"])
+    model.layers[0].projection.register_forward_pre_hook(lambda *a: None)
+    manager.begin_step(0)
+    with pytest.raises(GraphCaptureError, match=r"forward pre hook on submodule 'projection' would run once"):
         model(torch.randn(4, 16))
+
+
+def test_hooks_under_on_capture_error_eager_leave_only_that_layer_eager():
+    model = em.Stack(em.SeedLayer, 16, 2, recompute=False)
+    model.layers[1].projection.register_forward_hook(lambda *a: None)
+    with pytest.warns(UserWarning, match=r"layer 'layers\.1' could not be captured and runs eagerly"):
+        manager = graph_manager(model, layers=["layers.*"], on_capture_error="eager")
+    for step in range(3):
+        manager.begin_step(step)
+        model(torch.randn(4, 16)).backward()
+    assert manager.stats.failed_layers == ["layers.1"] and manager.stats.captured_runners == 1
 
 
 @pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
@@ -249,16 +268,11 @@ def test_gradient_hooks_on_parameters_of_a_graphed_layer_are_refused_before_warm
     model = em.Stack(em.SeedLayer, 16, 1, recompute=False)
     calls = []
     getattr(model.layers[0].projection.weight, kind)(lambda t: calls.append(t is None))
-    manager = graph_manager(model, layers=["layers.*"])
-    manager.begin_step(0)
-    model(torch.randn(4, 16)).backward()
-    seen = list(calls)
-    manager.begin_step(1)
     expected = "gradient hook (register_hook)" if kind == "register_hook" else "post-accumulate-grad hook"
     with pytest.raises(GraphCaptureError, match=rf"{re.escape(expected)} on parameter 'projection.weight' would run "
                                                 r"once at capture.*on_before_optimizer_step"):
-        model(torch.randn(4, 16))
-    assert seen == [False] and calls == seen  # ran in the eager step with a gradient; not run again at warmup
+        graph_manager(model, layers=["layers.*"])
+    assert calls == []  # refused at setup: the hook never ran with a None gradient
 
 
 def test_weight_of_a_graphed_layer_also_used_outside_graphs():
@@ -443,8 +457,6 @@ def test_graphed_layer_inside_non_reentrant_checkpoint_is_refused():
         h = tcp.checkpoint(model.layers[0], model.inp(x), use_reentrant=False)
         return model.head(h).pow(2).mean()
 
-    manager.begin_step(0)
-    loss(torch.randn(4, 16)).backward()
-    manager.begin_step(1)
+    manager.begin_step(0)  # refused at the first warmup call, not after warmup
     with pytest.raises(GraphCaptureError, match=r"saved-tensor hooks.*non-reentrant torch\.utils\.checkpoint"):
         loss(torch.randn(4, 16))

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from . import outer_checkpoint
+from . import guards, outer_checkpoint
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
 from .graph_sets import GraphSetCache, GraphStats, describe
@@ -128,6 +128,23 @@ class GraphManager:
         # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
         self.grad_ready = None
+        for layer in self.layers:
+            self._refuse_early(layer, at_call=False)
+
+    def _refuse_early(self, layer: GraphedLayer, at_call: bool) -> None:
+        """What capture would refuse and can be seen before it, refused now (``on_capture_error``): hooks in the
+        layer (at setup and at every recorded call), an enclosing non-reentrant checkpoint (at every recorded
+        call)."""
+        if layer.failure is not None or self.backend is None:
+            return
+        try:
+            guards.refuse_capture_only_hooks(layer.name, layer.module)
+            if at_call:
+                guards.refuse_saved_tensor_hooks(layer.name)
+        except guards.GraphCaptureError as exc:
+            if self.options.on_capture_error != "eager":
+                raise
+            self._sets.mark_failed(layer, exc)
 
     def bind_grad_ready(self, reporter) -> None:
         """Hand this manager the grad-ready reporter of the data-parallel engine that owns the model's
@@ -295,6 +312,8 @@ class GraphManager:
             return self._ungraphed_call(layer, args, kwargs)
         if self._mode is StepMode.UNSTARTED:
             self._start_of_step(args, kwargs)
+        if self._mode is StepMode.RECORD:
+            self._refuse_early(layer, at_call=True)
         if layer.failure is not None:
             self.stats.eager_calls += 1
             return layer.forward(*args, **kwargs)

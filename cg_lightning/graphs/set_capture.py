@@ -91,7 +91,7 @@ class SetCapture:
         for call in calls:
             call.ends_segment = (id(call.layer), call.index) in segment_ends
         calls, runners = capture_calls(calls, lambda call: self._runner(call, grad_ready), self.model, self.options.on_capture_error,
-                                       self._mark_failed,
+                                       self.mark_failed,
                                        segments_of=find_segments if self.options.segments else None)
         for call, runner in zip(calls, runners):
             segment = runner.segment
@@ -143,7 +143,8 @@ class SetCapture:
                 "building the engine, before the first capture."
             )
 
-    def _mark_failed(self, layer, exc: BaseException) -> None:
+    def mark_failed(self, layer, exc: BaseException) -> None:
+        """``layer`` runs eagerly from now on (``on_capture_error="eager"``), with one warning naming the cause."""
         layer.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         self.cache.forget_layer(layer)
         self.stats.failed_layers.append(layer.name)
