@@ -80,6 +80,17 @@ class EvalGraphs:
         self.eager_calls = 0
         self.pool_bytes = 0
 
+    def call(self, layer, args: tuple, kwargs: dict, stats):
+        """:meth:`__call__` for a :class:`~.selection.GraphedLayer`, its eager calls, pool bytes, graphs and
+        replays added to ``stats`` (:class:`~.graph_sets.GraphStats`)."""
+        before = (self.eager_calls, self.pool_bytes)
+        out = self(layer.name, layer.module, layer.forward, args, kwargs)
+        stats.eager_calls += self.eager_calls - before[0]
+        stats.pool_bytes += self.pool_bytes - before[1]
+        stats.eval_graphs = self.captures
+        stats.eval_replays = self.replays
+        return out
+
     def __call__(self, name: str, module: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict):
         """Run ``forward(*args, **kwargs)`` (``module``'s original forward) through its eval graph.
 

@@ -133,3 +133,20 @@ def capture_failure(name: str, what: str, exc: BaseException) -> str:
         f"could not capture the {what} of layer {name!r}: {type(exc).__name__}: {text}. Likely cause: "
         f"{hints[0]}. Remove it from the layer's forward, or leave the layer out of graphs.layers."
     )
+
+
+def nothing_graphed(names: Sequence[str], warmup_steps: int, no_grad_calls: int) -> str:
+    """The warning given once when warmup is over and no call of the selected layers ``names`` could be graphed;
+    ``no_grad_calls``: their training-mode calls without autograd in the last training forward."""
+    listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    if no_grad_calls:
+        why = (f"ran {no_grad_calls} times in training mode but without autograd: under torch.no_grad(), or inside "
+               "an activation checkpoint around the layer (a reentrant torch.utils.checkpoint runs its forward "
+               "without autograd). Checkpoint inside the layer instead (cg_lightning.checkpoint, or "
+               "torch.utils.checkpoint within its forward)")
+    else:
+        why = ("were not called in training mode with autograd on. Check that the training step calls them "
+               "(graphs.layers names the modules to graph)")
+    return (f"cg_lightning: nothing is graphed: the {warmup_steps} warmup step(s) are over, but in this training "
+            f"step the selected layers ({listed}) {why}. These calls run eagerly: training stays correct and gains "
+            "no speed. This warning is given once.")

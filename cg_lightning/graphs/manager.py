@@ -123,7 +123,7 @@ class GraphManager:
         self._recording: Optional[StepRecord] = None
         self._cache_full_warned = False
         self._nothing_warned = False
-        self._no_grad_calls = 0  # this micro-batch's training-mode calls without autograd (_warn_nothing_graphed)
+        self._no_grad_calls = 0  # this micro-batch's training-mode calls without autograd (guards.nothing_graphed)
         self._segment_ends: Set[Tuple[int, int]] = set()  # graphs.segments: (id(layer), index) of recorded calls
         # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
@@ -187,29 +187,13 @@ class GraphManager:
 
     def end_step(self) -> None:
         """End of a training micro-batch's forward calls. Warns once when warmup is over and still nothing is
-        graphed because no call of this forward could be (:meth:`_warn_nothing_graphed`)."""
+        graphed because no call of this forward could be (:func:`.guards.nothing_graphed`)."""
         self._in_training_step = False
         if (self._mode is StepMode.UNSTARTED and not self._nothing_warned and self.capture_due
                 and not self.cache.sets and not self.cache.pending):
             self._nothing_warned = True
-            self._warn_nothing_graphed()
-
-    def _warn_nothing_graphed(self) -> None:
-        names = ", ".join(layer.name for layer in self.layers[:4]) + (", ..." if len(self.layers) > 4 else "")
-        if self._no_grad_calls:
-            why = (f"ran {self._no_grad_calls} times in training mode but without autograd: under torch.no_grad(), or "
-                   "inside an activation checkpoint around the layer (a reentrant torch.utils.checkpoint runs its "
-                   "forward without autograd). Checkpoint inside the layer instead (cg_lightning.checkpoint, or "
-                   "torch.utils.checkpoint within its forward)")
-        else:
-            why = ("were not called in training mode with autograd on. Check that the training step calls them "
-                   "(graphs.layers names the modules to graph)")
-        warnings.warn(
-            f"cg_lightning: nothing is graphed: the {self.options.warmup_steps} warmup step(s) are over, but in this "
-            f"training step the selected layers ({names}) {why}. These calls run eagerly: training stays correct "
-            "and gains no speed. This warning is given once.",
-            stacklevel=3,
-        )
+            warnings.warn(guards.nothing_graphed([layer.name for layer in self.layers], self.options.warmup_steps,
+                                                 self._no_grad_calls), stacklevel=3)
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Called with the loss before the backward of a training micro-batch. In a recorded step
@@ -346,19 +330,8 @@ class GraphManager:
             self._replay.refuse_pending_member(layer, self._calls.get(id(layer), 0))
         if (self.options.capture_eval and self.backend is not None and not layer.module.training
                 and not torch.is_grad_enabled()):
-            return self._eval_call(layer, args, kwargs)
+            if self.eval_graphs is None:
+                self.eval_graphs = EvalGraphs(self.backend, max_graphs=self.options.max_graph_sets)
+            return self.eval_graphs.call(layer, args, kwargs, self.stats)
         self.stats.eager_calls += 1
         return layer.forward(*args, **kwargs)
-
-    def _eval_call(self, layer: GraphedLayer, args: tuple, kwargs: dict):
-        graphs = self.eval_graphs
-        if graphs is None:
-            graphs = self.eval_graphs = EvalGraphs(self.backend, max_graphs=self.options.max_graph_sets)
-        before = (graphs.eager_calls, graphs.pool_bytes)
-        out = graphs(layer.name, layer.module, layer.forward, args, kwargs)
-        stats = self.stats
-        stats.eager_calls += graphs.eager_calls - before[0]
-        stats.pool_bytes += graphs.pool_bytes - before[1]
-        stats.eval_graphs = graphs.captures
-        stats.eval_replays = graphs.replays
-        return out
