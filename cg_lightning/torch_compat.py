@@ -55,6 +55,25 @@ tree_map = _pytree.tree_map
 tree_flatten_with_path = _pytree.tree_flatten_with_path
 keystr = _pytree.keystr
 
+
+class _NoneNode:
+    """Stands for a ``None`` inside a layer's output: a pytree node without children that unflattens to ``None``
+    (torch versions differ on whether ``None`` is a leaf)."""
+
+
+_pytree.register_pytree_node(_NoneNode, lambda node: ([], None), lambda children, context: None,
+                             serialized_type_name="cg_lightning.torch_compat._NoneNode")
+_NONE_NODE = _NoneNode()
+
+
+def tree_flatten_without_none(tree):
+    """``tree_flatten(tree)`` with ``None`` entries kept in the structure rather than as leaves (``tree_unflatten``
+    gives them back): a layer returning ``(hidden, None)`` has one tensor output. Returns (leaves, spec)."""
+    leaves, spec = _pytree.tree_flatten(tree)
+    if all(x is not None for x in leaves):
+        return leaves, spec
+    return _pytree.tree_flatten(_pytree.tree_map(lambda x: _NONE_NODE if x is None else x, tree))
+
 # ------------------------------------------------------------------------- dispatch modes
 #: ``torch.utils._python_dispatch.TorchDispatchMode``: sees every aten operation, to refuse host syncs inside a
 #: captured layer with the user's source line (graphs.host_sync).

@@ -158,7 +158,7 @@ class EvalGraphs:
         def body():
             with autocast_as(entry.autocast):
                 out = forward(*static_args, **static_kwargs)
-            leaves, entry.out_spec = torch_compat.tree_flatten(out)
+            leaves, entry.out_spec = torch_compat.tree_flatten_without_none(out)
             bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
             if bad:
                 raise RuntimeError(f"the layer returns non-tensor outputs ({', '.join(bad)})")

@@ -26,7 +26,7 @@ def watch_grad_layouts(out) -> List[Optional[Tuple[int, ...]]]:
     contiguous gradient for a transposed or channels-last output, say). A backward graph reads its gradient
     outputs from buffers filled by copy; made with the outputs' own layout, a replay would compute on another
     memory order than eager, and reductions would sum in another order (up to 1e-7 relative apart)."""
-    leaves, _ = torch_compat.tree_flatten(out)
+    leaves, _ = torch_compat.tree_flatten_without_none(out)  # as the runner flattens outputs
     layouts: List[Optional[Tuple[int, ...]]] = [None] * len(leaves)
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor) and t.requires_grad:

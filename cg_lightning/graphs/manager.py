@@ -17,7 +17,9 @@ Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of ever
   Under ``"recapture"`` a step whose first call matches no set runs eagerly and is recorded; the next
   step with that signature captures it as another set (same pool), up to ``max_graph_sets``.
 * A layer whose capture raises :class:`GraphCaptureError` follows ``on_capture_error``: ``"eager"``
-  drops it from the set (it runs eagerly from then on) and captures the others without it.
+  drops it from the set (it runs eagerly from then on) and captures the others without it; ``"split"``
+  replaces it by its parts (:mod:`.splitting`), drops every graph set and recorded step (they hold no calls of
+  the parts), records the rest of the step again and captures at the next one.
 
 Calls in eval mode or under ``no_grad`` run eagerly, or, with ``capture_eval``, eval-mode calls without
 autograd replay forward-only graphs kept apart from the training graphs (:mod:`.eval_graphs`).
@@ -38,12 +40,14 @@ import torch.nn as nn
 from . import guards, outer_checkpoint
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
+from .failures import CaptureFailures
 from .graph_sets import GraphSetCache, GraphStats, describe
 from .options import GraphOptions
 from .recording import StepRecord, record_call
 from .runner import LayerGraphRunner
 from .segments import segment_ends
 from .selection import GraphedLayer, select_layers
+from .splitting import LayerSelection
 from .set_capture import SetCapture
 from .set_replay import SetReplay
 from .signature import CallSignature
@@ -87,20 +91,14 @@ class GraphManager:
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self.backend = make_backend(options.backend, device) if options.enabled else None
         self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
-        self.layers: List[GraphedLayer] = []
-        self._held: List[nn.Module] = []  # layers whose checkpoint around __call__ moved inside (.outer_checkpoint)
-        for name, module in select_layers(model, options.layers):
-            forward = module.forward
-            if outer_checkpoint.checkpoints_around_call(module):  # transformers' checkpointing layers
-                forward = outer_checkpoint.checkpointed_forward(module, forward)
-                self._held.append(module)
-            layer = GraphedLayer(name, module, forward)
-            module.forward = self._make_dispatch(layer)
-            self.layers.append(layer)
+        #: the selected layers and, after splits (on_capture_error="split"), their parts (:mod:`.splitting`)
+        self.selection = LayerSelection(select_layers(model, options.layers), self._make_dispatch)
         self.cache = GraphSetCache(options.max_graph_sets)
-        #: the capture half: runners, their shared pool, failed layers (:mod:`.set_capture`)
+        #: graphs.on_capture_error: layers run eagerly or split into their parts (:mod:`.failures`)
+        self._failures = CaptureFailures(options, self.selection, self.cache, self.stats)
+        #: the capture half: runners, their shared pool (:mod:`.set_capture`)
         self._sets = SetCapture(model, options, self.backend, device, self.cache, self.stats,
-                                accumulate_into_main_grad)
+                                accumulate_into_main_grad, on_failed=self._failures.failed)
         #: the replay half: the step's graph set, shape policy, direct-ready confirmation (:mod:`.set_replay`)
         self._replay = SetReplay(options, self.stats, device)
         self.eval_graphs: Optional[EvalGraphs] = None  # built at the first eval call with capture_eval on
@@ -109,6 +107,7 @@ class GraphManager:
         self._warmup_kinds: List[StepRecord] = []
         self._start_step: Optional[int] = None
         self._global_step = 0
+        self._capture_after = -1  # a split changed the selection: steps up to this one record again
         self._calls: Dict[int, int] = {}
         self._in_training_step = False
         #: called at a graphed training call outside a micro-batch (autograd on, module in training mode) to open
@@ -128,23 +127,25 @@ class GraphManager:
         # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
         self.grad_ready = None
-        for layer in self.layers:
-            self._refuse_early(layer, at_call=False)
+        if self.backend is not None:
+            for layer in list(self.layers):
+                self._failures.refuse_early(layer, at_call=False)
+        self._failures.reselected = False  # nothing was recorded yet
 
-    def _refuse_early(self, layer: GraphedLayer, at_call: bool) -> None:
-        """What capture would refuse and can be seen before it, refused now (``on_capture_error``): hooks in the
-        layer (at setup and at every recorded call), an enclosing non-reentrant checkpoint (at every recorded
-        call)."""
-        if layer.failure is not None or self.backend is None:
-            return
-        try:
-            guards.refuse_capture_only_hooks(layer.name, layer.module)
-            if at_call:
-                guards.refuse_saved_tensor_hooks(layer.name)
-        except guards.GraphCaptureError as exc:
-            if self.options.on_capture_error != "eager":
-                raise
-            self._sets.mark_failed(layer, exc)
+    @property
+    def layers(self) -> List[GraphedLayer]:
+        """The layers dispatched: the selected ones and the parts of those split (a split one runs eagerly)."""
+        return self.selection.layers
+
+    def _record_again(self, last_recording_step: int) -> None:
+        """The selection changed (a split): drop every graph set and recorded step, which lack the new parts'
+        calls; steps up to ``last_recording_step`` record, a later one captures."""
+        self._failures.reselected = False
+        self.cache.clear()
+        self._warmup_record, self._warmup_kinds, self._recording = None, [], None
+        self._replay.graph_set = None
+        self._sets.count()
+        self._capture_after = max(self._capture_after, last_recording_step)
 
     def bind_grad_ready(self, reporter) -> None:
         """Hand this manager the grad-ready reporter of the data-parallel engine that owns the model's
@@ -176,7 +177,7 @@ class GraphManager:
             self._start_step = global_step
         self.cache.limit = self.options.max_graph_sets
         self._global_step = global_step
-        for module in self._held:
+        for module in self.selection.held:
             outer_checkpoint.hold(module)
         self._replay.begin_step()
         self._calls = {}
@@ -211,7 +212,8 @@ class GraphManager:
     def capture_due(self) -> bool:
         """Warmup is over (the capture happens at the first graphed call of a step from then on)."""
         start = self._start_step if self._start_step is not None else 0
-        return self.backend is not None and self._global_step >= start + max(1, self.options.warmup_steps)
+        return (self.backend is not None and self._global_step >= start + max(1, self.options.warmup_steps)
+                and self._global_step > self._capture_after)
 
     def _end_warmup(self) -> None:
         """Warmup is over: the last warmup record of each lead signature waits for the first micro-batch of its
@@ -224,12 +226,8 @@ class GraphManager:
                     self.cache.pending.append(record)
 
     def remove(self) -> None:
-        """Restore every layer's original ``forward`` and drop the graphs."""
-        for layer in self.layers:
-            if layer.module.__dict__.get("forward") is not None:
-                del layer.module.forward
-        for module in self._held:
-            outer_checkpoint.release(module)
+        """Restore every layer's original ``forward`` (parts of split layers included) and drop the graphs."""
+        self.selection.remove()
         self.cache.clear()
         self._warmup_record = None
         self._warmup_kinds = []
@@ -258,6 +256,11 @@ class GraphManager:
         pending = self.cache.pop_pending(args, kwargs)  # a kind seen in warmup, or recorded under "recapture"
         if pending is not None:
             replay.graph_set = self._sets.capture(pending, self.grad_ready, self._segment_ends)
+            if self._failures.reselected:  # a layer was split: this step records the parts' calls, the next captures
+                self._record_again(self._global_step)
+                self._start_of_step(args, kwargs)
+                return
+            self._failures.report()
             if replay.graph_set is None:
                 self._mode = StepMode.EAGER
             return
@@ -297,7 +300,10 @@ class GraphManager:
         if self._mode is StepMode.UNSTARTED:
             self._start_of_step(args, kwargs)
         if self._mode is StepMode.RECORD:
-            self._refuse_early(layer, at_call=True)
+            self._failures.refuse_early(layer, at_call=True)
+            if self._failures.reselected:  # split at this call: the record misses its parts' earlier calls
+                self._record_again(self._global_step + 1)
+                self._mode = StepMode.EAGER
         if layer.failure is not None:
             self.stats.eager_calls += 1
             return layer.forward(*args, **kwargs)

@@ -89,6 +89,7 @@ def _aliases(out, storage: Optional[int]) -> bool:
 def _difference(graph_outs: Sequence[torch.Tensor], eager_outs: Sequence[torch.Tensor], spec) -> Optional[str]:
     """How the outputs of a run on the wide copy differ from those of a run on the low-precision tensor."""
     paths, _ = tree_flatten_with_path(tree_unflatten(list(graph_outs), spec))
+    paths = [(path, x) for path, x in paths if x is not None]  # None outputs are structure, not leaves
     for (path, _), a, b in zip(paths, graph_outs, eager_outs):
         name = f"output{keystr(path)}"
         if a.dtype != b.dtype or a.shape != b.shape:

@@ -23,8 +23,9 @@ class CaptureSummary:
     def of(cls, manager: GraphManager) -> "CaptureSummary":
         """The summary of everything ``manager`` captured so far."""
         stats = manager.stats
-        return cls(stats.captured_runners, tuple(layer.name for layer in manager.layers), stats.backend,
-                   stats.capture_seconds, stats.graph_sets, stats.segments)
+        graphed = tuple(layer.name for layer in manager.layers if layer.failure is None)  # not split, not failed
+        return cls(stats.captured_runners, graphed, stats.backend, stats.capture_seconds, stats.graph_sets,
+                   stats.segments)
 
     def __str__(self) -> str:
         return (
