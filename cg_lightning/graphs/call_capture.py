@@ -75,7 +75,8 @@ class CallCapture:
         if bad:
             raise GraphCaptureError(
                 f"layer {self.name!r} returns non-tensor outputs ({', '.join(bad)}); a graphed layer must return "
-                "tensors (or nested tuples/lists/dicts of tensors). Exclude it from graphs.layers."
+                "tensors (or nested tuples/lists/dicts of tensors, None entries allowed). Exclude it from "
+                f"graphs.layers, or {guards.SPLIT_HINT}."
             )
         return leaves, spec
 
