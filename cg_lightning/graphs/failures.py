@@ -44,21 +44,27 @@ class CaptureFailures:
             return
         try:
             guards.refuse_capture_only_hooks(layer.name, layer.module)
+        except guards.GraphCaptureError as exc:
+            if self.options.on_capture_error == "raise":
+                raise
+            self.failed(layer, exc)
+            return
+        try:
             if at_call:
                 guards.refuse_saved_tensor_hooks(layer.name)
         except guards.GraphCaptureError as exc:
             if self.options.on_capture_error == "raise":
                 raise
-            self.failed(layer, exc)
+            self.failed(layer, exc, splittable=False)  # its parts would run under the same checkpoint
 
-    def failed(self, layer: GraphedLayer, exc: BaseException) -> bool:
+    def failed(self, layer: GraphedLayer, exc: BaseException, splittable: bool = True) -> bool:
         """``layer`` could not be captured (``on_capture_error`` ``"eager"`` or ``"split"``). Under ``"split"``
-        it is split into its parts, which are checked for early refusals at once; returns ``True`` then. Else
-        it runs eagerly from now on."""
+        it is split into its parts (unless ``splittable`` is false: the cause would hold for them too), which are
+        checked for early refusals at once; returns ``True`` then. Else it runs eagerly from now on."""
         self.selection.note(layer, exc)
         why = ""
         if self.options.on_capture_error == "split":
-            why = self.selection.why_not_split(layer)
+            why = self.selection.why_not_split(layer) if splittable else "its parts would meet the same cause"
             if not why:
                 self.cache.forget_layer(layer)
                 self.stats.split_layers.append(layer.name)

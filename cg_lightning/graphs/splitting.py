@@ -142,7 +142,8 @@ class LayerSelection:
                 f"eagerly (the code between the parts) and calls the parts, graphed separately. Graphed: "
                 f"{', '.join(on) or 'none'}. Eager: {'; '.join(off) or 'none'}.")
         if idle:
-            text += f" Not called in the recorded step (so not graphed): {', '.join(idle)}."
+            text += (f" Not graphed, as no call in the recorded step had autograd on (under no_grad or a reentrant "
+                     f"checkpoint, or not called): {', '.join(idle)}.")
         return text
 
 
