@@ -238,7 +238,8 @@ class GraphManager:
         """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""
         if all(layer.failure is not None for layer in self.layers):
             self._mode = StepMode.EAGER  # nothing left to capture
-            self._failures.report()  # the splits whose parts all run eagerly
+            if self.selection.unreported:
+                self._failures.report()  # splits whose parts all run eagerly
             return
         if not self.capture_due or (not self.cache.sets and not self.cache.pending and not self._warmup_record):
             self._warmup_record = StepRecord(CallSignature(args, kwargs))

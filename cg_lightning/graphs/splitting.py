@@ -108,6 +108,11 @@ class LayerSelection:
         return [(key, m) for key, m in parts if not any(id(sub) in others for sub in m.modules())]
 
     # ----------------------------------------------------------------- reporting
+    @property
+    def unreported(self) -> bool:
+        """Some split is not yet named in a warning (:meth:`report`)."""
+        return bool(self._unreported)
+
     def report(self, graphed: Set[int]) -> List[str]:
         """The warnings for the splits not yet reported, once their parts were tried: one per split layer that
         is not itself a part of another such layer, one for several whose parts fared alike.
