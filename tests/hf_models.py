@@ -65,12 +65,13 @@ def token_loader(n: int = 64, seq: int = SEQ, batch_size: int = 4, seed: int = 1
     return DataLoader(TensorDataset(ids), batch_size=batch_size)
 
 
-def fit_hf(strategy, build: Callable, steps: int = 6, *, seed: int = 0, callbacks=(), **module_kwargs):
+def fit_hf(strategy, build: Callable, steps: int = 6, *, seed: int = 0, callbacks=(), accelerator: str = "cpu",
+           **module_kwargs):
     """Seed, build ``HFModule(build, **module_kwargs)`` and fit it for ``steps`` steps on :func:`token_loader`.
     Returns (module, trainer)."""
     seed_everything(seed, workers=True)
     module = HFModule(build, **module_kwargs)
-    trainer = make_trainer(strategy, steps, callbacks)
+    trainer = make_trainer(strategy, steps, callbacks, accelerator=accelerator)
     trainer.fit(module, token_loader())
     return module, trainer
 
