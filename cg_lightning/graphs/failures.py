@@ -72,12 +72,12 @@ class CaptureFailures:
                 for part in self.selection.split(layer):
                     self.refuse_early(part, at_call=False)
                 return True
-        self.mark_failed(layer, exc, warn=layer.parent is None, why=f": {why}" if why else "")
+        self.mark_failed(layer, exc, warn=not self.selection.will_report(layer), why=f": {why}" if why else "")
         return False
 
     def mark_failed(self, layer: GraphedLayer, exc: BaseException, warn: bool = True, why: str = "") -> None:
         """``layer`` runs eagerly from now on, with one warning naming the cause unless ``warn`` is false (a part
-        of a split layer: the split's warning names it). ``why``: why ``"split"`` left it whole."""
+        of a split layer whose warning is still to come names it). ``why``: why ``"split"`` left it whole."""
         layer.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         self.cache.forget_layer(layer)
         self.stats.failed_layers.append(layer.name)

@@ -113,6 +113,10 @@ class LayerSelection:
         """Some split is not yet named in a warning (:meth:`report`)."""
         return bool(self._unreported)
 
+    def will_report(self, layer: GraphedLayer) -> bool:
+        """A warning still to come names ``layer``: it is a part of a split not yet reported."""
+        return any(any(a is s for s in self._unreported) for a in _ancestors(layer))
+
     def report(self, graphed: Set[int]) -> List[str]:
         """The warnings for the splits not yet reported, once their parts were tried: one per split layer that
         is not itself a part of another such layer, one for several whose parts fared alike.
