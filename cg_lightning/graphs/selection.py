@@ -25,10 +25,10 @@ NO_DEFAULT_LAYERS = (
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphedLayer:
     """One selected layer: its qualified name, the module, and its own bound ``forward`` (which the graph
-    manager's dispatch replaces until ``GraphManager.remove``)."""
+    manager's dispatch replaces until ``GraphManager.remove``). Compared by identity."""
 
     name: str
     module: nn.Module
