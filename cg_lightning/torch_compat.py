@@ -17,6 +17,7 @@ import re
 from typing import Callable, Dict, Iterator, List, Sequence
 
 import torch
+import torch.utils.hooks
 import torch.distributed as dist
 import torch.utils.checkpoint as _torch_checkpoint
 from torch.nn.modules import module as _module
@@ -93,6 +94,12 @@ def module_hooks(module: torch.nn.Module) -> Dict[str, dict]:
     ``backward_pre_hooks``, ``backward_hooks``): hooks that would run at capture only, or between two calls that a
     segment's graph runs together. Read each time: a hook added later lands in the same dictionaries."""
     return {kind.strip("_"): getattr(module, kind) for kind in _MODULE_HOOKS if hasattr(module, kind)}
+
+
+def hook_handles_created() -> int:
+    """``torch.utils.hooks.RemovableHandle.next_id``: how many hook handles (module, tensor, optimizer hooks) were
+    created in this process; it changes when any hook is added, so a changed value means "look again"."""
+    return torch.utils.hooks.RemovableHandle.next_id
 
 
 def global_module_hooks() -> Dict[str, dict]:

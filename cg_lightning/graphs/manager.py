@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from . import guards, outer_checkpoint
+from . import guards, observer_hooks, outer_checkpoint
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
 from .graph_sets import GraphSetCache, GraphStats, describe
@@ -47,6 +47,7 @@ from .selection import GraphedLayer, select_layers
 from .set_capture import SetCapture
 from .set_replay import SetReplay
 from .signature import CallSignature
+from .. import torch_compat
 
 
 class StepMode(enum.Enum):
@@ -128,6 +129,9 @@ class GraphManager:
         # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
         self.grad_ready = None
+        self._observers: Set[Callable] = set()  # transformers' output hooks inside the layers (.observer_hooks)
+        self._observers_warned = False
+        self._hooks_seen = torch_compat.hook_handles_created()
         for layer in self.layers:
             self._refuse_early(layer, at_call=False)
 
@@ -137,6 +141,7 @@ class GraphManager:
         call)."""
         if layer.failure is not None or self.backend is None:
             return
+        self._observers.update(observer_hooks.observers_inside(layer.module))
         try:
             guards.refuse_capture_only_hooks(layer.name, layer.module)
             if at_call:
@@ -241,6 +246,10 @@ class GraphManager:
         if all(layer.failure is not None for layer in self.layers):
             self._mode = StepMode.EAGER  # nothing left to capture
             return
+        if torch_compat.hook_handles_created() != self._hooks_seen:  # hooks added since: look at the layers again
+            self._hooks_seen = torch_compat.hook_handles_created()
+            for layer in self.layers:
+                self._refuse_early(layer, at_call=False)
         if not self.capture_due or (not self.cache.sets and not self.cache.pending and not self._warmup_record):
             self._warmup_record = StepRecord(CallSignature(args, kwargs))
             if not self.multi_pass:  # one kind of micro-batch; others follow shape_policy
@@ -248,6 +257,12 @@ class GraphManager:
             self._warmup_kinds = [r for r in self._warmup_kinds if not r.lead.matches(args, kwargs)]
             self._warmup_kinds.append(self._warmup_record)
             self._mode, self._recording = StepMode.RECORD, self._warmup_record
+            return
+        if self._observers and observer_hooks.any_active(self._observers):
+            self._mode = StepMode.EAGER  # transformers collects outputs from inside the layers in this step
+            if not self._observers_warned:
+                self._observers_warned = True
+                warnings.warn(guards.observers_active(), stacklevel=4)
             return
         self._end_warmup()
         self._mode = StepMode.REPLAY
@@ -265,7 +280,11 @@ class GraphManager:
             if self.cache.sets:  # mismatching calls follow the policy (SetReplay)
                 replay.graph_set = self.cache.sets[0]
             else:
-                self._mode = StepMode.EAGER  # every layer failed to capture
+                self._mode = StepMode.EAGER  # every layer failed to capture, or no recorded kind matches
+                if self.cache.pending and not self._nothing_warned:
+                    self._nothing_warned = True
+                    warnings.warn(guards.unmatched_warmup(self.cache.pending[-1].lead.mismatches(args, kwargs)),
+                                  stacklevel=4)
             return
         if not self.cache.full:
             self._recording = StepRecord(CallSignature(args, kwargs))
