@@ -2,7 +2,8 @@
 and data (random tiny configs, no downloads; eager graph backend on CPU).
 
 T5's encoder blocks return ``(hidden_states, position_bias, None)``: the ``None`` (no cross-attention bias in an
-encoder) is kept from the capture and put back around the replayed tensors (``cg_lightning/graphs/outputs.py``).
+encoder) is kept from the capture and put back around the replayed tensors (``cg_lightning/graphs/outputs.py``);
+so are the fields a layer's ``ModelOutput`` leaves at ``None`` (engine level, against plain PyTorch).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from lightning.pytorch import LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.engine_models import assert_grads_equal, batches, graphed_engine
 from tests.helpers import WARMUP, cg_strategy, make_trainer, state_rel_diff
 from tests.recorders import LifecycleRecorder
 
@@ -101,3 +103,52 @@ def test_t5_all_blocks_train_like_ddp():
     diff = state_rel_diff(model.state_dict(), ref.state_dict())
     print(f"T5, all blocks graphed: weight diff {diff:.1e}")
     assert diff < 1e-6
+
+
+class _ModelOutputLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=x + torch.tanh(self.fc(x)),
+                                                             hidden_states=None, attentions=None)
+
+
+class _ModelOutputStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_ModelOutputLayer() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            out = layer(x)
+            assert type(out) is transformers.modeling_outputs.BaseModelOutput and out.attentions is None
+            x = out.last_hidden_state
+        return x.pow(2).mean()
+
+
+def test_layers_returning_a_model_output_with_none_fields_are_graphed():
+    """Layers returning a ``BaseModelOutput`` whose ``hidden_states`` and ``attentions`` are ``None``: replays
+    return the same class with the same fields (the model checks them), and ``main_grad`` equals plain
+    PyTorch's ``.grad`` bit for bit at every step (no updates: the same weights every step, new data)."""
+    torch.manual_seed(0)
+    plain = _ModelOutputStack()
+    ref = []
+    for x in batches(4, 16):
+        plain.zero_grad(set_to_none=True)
+        plain(x).backward()
+        ref.append({k: p.grad.clone() for k, p in plain.named_parameters()})
+    torch.manual_seed(0)
+    model = _ModelOutputStack()
+    manager, engine = graphed_engine(model, layers=["layers.*"])
+    got = []
+    for step, x in enumerate(batches(4, 16)):
+        manager.begin_step(step)
+        engine(x).backward()
+        manager.end_step()
+        engine.finish_grad_sync()
+        got.append({k: p.main_grad.clone() for k, p in model.named_parameters()})
+        engine.zero_grad_buffer()
+    assert manager.stats.captured_runners == 2 and manager.stats.forward_replays == 2 * 3
+    assert_grads_equal(got, ref, tol=0)
