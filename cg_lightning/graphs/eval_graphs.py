@@ -87,7 +87,8 @@ class EvalGraphs:
         """Run ``forward(*args, **kwargs)`` (``module``'s original forward) through its eval graph.
 
         Returns the layer's outputs (tensors, or nested tuples/lists/dicts of tensors and constants such as
-        ``None``), equal to an eager call's. Never raises for capture problems: the layer then runs eagerly (one ``UserWarning``).
+        ``None``), equal to an eager call's. Never raises for capture problems: the layer then runs eagerly
+        (one ``UserWarning``).
         """
         state = self._layers.setdefault(id(module), _EvalLayer())
         if state.failure is not None:
