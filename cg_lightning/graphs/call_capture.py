@@ -33,15 +33,11 @@ from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regio
 from .discovery import params_to_backprop, reachable_leaves
 from .guards import GraphCaptureError
 from .host_sync import refuse_host_sync
+from .outputs import OutputStructureError, split_outputs
 from .replay_plan import ReplayPlan, foreign_in
 from .routing import Routing
 from .state import graph_capture, graph_warmup, recording_grad_ready
-from .. import protocol, torch_compat
-
-
-def _flat_outputs(out) -> tuple:
-    leaves, spec = torch_compat.tree_flatten(out)
-    return leaves, spec
+from .. import protocol
 
 
 class CallCapture:
@@ -65,14 +61,10 @@ class CallCapture:
         args, kwargs = self.signature.rebuild(inputs)
         with torch.enable_grad(), autocast_as(self.autocast):
             out = self._call(*args, **kwargs)
-        leaves, spec = _flat_outputs(out)
-        bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
-        if bad:
-            raise GraphCaptureError(
-                f"layer {self.name!r} returns non-tensor outputs ({', '.join(bad)}); a graphed layer must return "
-                "tensors (or nested tuples/lists/dicts of tensors). Exclude it from graphs.layers."
-            )
-        return leaves, spec
+        try:
+            return split_outputs(out)
+        except OutputStructureError as exc:
+            raise GraphCaptureError(f"layer {self.name!r} {exc}. Exclude it from graphs.layers.") from None
 
     def _grad_targets(self, params: Sequence[torch.nn.Parameter], inputs: Sequence[torch.Tensor]):
         return [t for t in inputs if t.requires_grad] + list(params)
@@ -126,9 +118,9 @@ class CallCapture:
             if self._anchor is None:  # created inside the capture, on the capture stream
                 self._anchor = torch.empty((), device=self._device, requires_grad=True)
             with graph_capture(), bypass_reentrant_checkpoint(), using_anchor(self._anchor):
-                outs, spec = self._run_module(self.static_inputs)
+                outs, structure = self._run_module(self.static_inputs)
             self._autograd_outputs = outs
-            self._out_spec = spec
+            self._outputs = structure
             return list(outs)
 
         guards.refuse_capture_only_hooks(self.name, self.module)
@@ -140,9 +132,6 @@ class CallCapture:
         except Exception as exc:  # host syncs, CPU tensors, data-dependent control flow ...
             raise GraphCaptureError(guards.capture_failure(self.name, "forward", exc)) from exc
         self._bypassed_regions = regions
-        marker = object()
-        single = len(self._autograd_outputs) == 1
-        self._single_output = single and torch_compat.tree_unflatten([marker], self._out_spec) is marker
         outs = self._autograd_outputs
         self.output_requires_grad = [o.requires_grad for o in outs]
         self._visible = reachable_leaves(outs)

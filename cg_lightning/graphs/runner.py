@@ -22,6 +22,7 @@ from .call_capture import CallCapture
 from .grad_layouts import static_grad_output_buffer
 from .discovery import owned_parameters
 from .main_grad_adds import MainGradAdds
+from .outputs import OutputStructure
 from .replay_plan import ReplayPlan
 from .routing import Routing
 from .signature import CallSignature
@@ -48,7 +49,7 @@ class LayerGraphRunner(CallCapture):
         num_warmup_iters: eager warmup passes (>= 1).
         autocast: the autocast settings the call was recorded under (:func:`.capture.autocast_state`);
             warmup, capture and eager-backend replays of the body run under them. ``None``: the ambient ones.
-        grad_output_layouts: per flattened output, the strides of the gradient eager backward handed it in the
+        grad_output_layouts: per tensor output, the strides of the gradient eager backward handed it in the
             recorded step (:func:`watch_grad_layouts`), or ``None``: the layouts of the buffers the backward graph
             reads its output gradients from (:func:`static_grad_output_buffer`). ``None``: the outputs' own.
     """
@@ -109,8 +110,8 @@ class LayerGraphRunner(CallCapture):
         self.returned_versions: List[int] = []
         self._set_plan(ReplayPlan())  # built by capture_backward
         self.output_requires_grad: List[bool] = []
-        self._out_spec = None
-        self._single_output = False  # the layer returns one tensor (no pytree at replay)
+        #: the structure of the layer's output and its constant leaves (:mod:`.outputs`), set by capture_forward
+        self._outputs: Optional[OutputStructure] = None
         self._fwd = None
         self._bwd = None
         self.static_grad_outputs: List[Optional[torch.Tensor]] = []
@@ -360,6 +361,6 @@ class LayerGraphRunner(CallCapture):
         return (*input_grads, *param_grads)
 
     def output_structure(self, flat: tuple):
-        if self._single_output:
-            return flat[0]
-        return torch_compat.tree_unflatten(list(flat), self._out_spec)
+        """The layer's output as an eager call returns it: ``flat`` (the replay's tensors) in its structure, with
+        the constant leaves (``None``, flags) recorded at capture."""
+        return self._outputs.rebuild(flat)
