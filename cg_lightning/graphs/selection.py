@@ -10,9 +10,10 @@ first (a selected block's own inner stacks are not judged). Only entries with tr
   decoder-layer classes (Jamba's attention and Mamba layers) is graphed whole; lone ``torch.nn`` built-ins
   (an ``nn.Linear`` or ``nn.LayerNorm`` among the layers) are not.
 
-A model with no stack (one ``nn.Linear``, an MLP of separately named layers) gets no graphs: :func:`default_layers` returns
-nothing and the front-ends train it eagerly under the data-parallel engine, with a warning that names
-``graphs.layers``. :func:`eager_modules` names what runs outside the graphs, for the capture summary.
+A model with no stack (one ``nn.Linear``, an MLP of separately named layers) gets no graphs:
+:func:`default_layers` returns nothing and the front-ends train it eagerly under the data-parallel engine, with a
+warning that names ``graphs.layers``. :func:`eager_modules` names what runs outside the graphs, for the capture
+summary.
 """
 
 from __future__ import annotations
