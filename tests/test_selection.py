@@ -17,7 +17,6 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 import cg_lightning  # noqa: F401  (registers the strategy name)
-from cg_lightning.graphs import GraphCaptureError
 from cg_lightning.graphs.selection import default_layers, eager_modules, select_layers
 from tests.helpers import cg_strategy, make_trainer
 
