@@ -189,7 +189,7 @@ def test_activation_checkpointing_of_transformers_layers_is_graphed(use_reentran
 def test_hidden_states_output_keeps_layers_graphed():
     """``output_hidden_states=True`` installs the library's output hooks (on the layers, and inert ones on their
     attention): graphed, every step after warmup replayed, weights equal."""
-    kwargs = dict(forward_kwargs=dict(output_hidden_states=True, use_cache=False))
+    kwargs = dict(forward_kwargs=dict(output_hidden_states=True))
     ref, _ = fit_hf("ddp", tiny_llama, **kwargs)
     got, stats, messages = _fit_cg(tiny_llama, **kwargs)
     assert messages == [], messages
@@ -197,10 +197,22 @@ def test_hidden_states_output_keeps_layers_graphed():
     assert_same_weights(got, ref)
 
 
+def test_the_cache_is_turned_off_for_training_with_one_warning():
+    """The library's default ``use_cache=True`` would hand the layers a new cache object at every forward: the
+    strategy sets it to ``False`` (one warning) and the layers are graphed, weights equal to ``"ddp"`` on the
+    model without the cache."""
+    ref, _ = fit_hf("ddp", tiny_llama)
+    got, stats, messages = _fit_cg(lambda: tiny_llama(use_cache=True))
+    assert len(messages) == 1 and "set config.use_cache=False on model" in messages[0], messages
+    assert got.model.config.use_cache is False
+    assert stats.captured_runners == 3 and stats.forward_replays == 3 * (6 - WARMUP), stats
+    assert_same_weights(got, ref)
+
+
 def test_a_new_cache_object_every_step_is_said_not_silently_eager():
-    """With the model's default ``use_cache=True`` every forward hands the layers a new cache: nothing can match
-    the warmup record, and one warning says so and what to do."""
-    kwargs = dict(forward_kwargs=dict(output_hidden_states=True))
+    """``use_cache=True`` passed to every training forward: nothing can match the warmup record, and one warning
+    says so and what to do."""
+    kwargs = dict(forward_kwargs=dict(use_cache=True))
     ref, _ = fit_hf("ddp", tiny_llama, **kwargs)
     got, stats, messages = _fit_cg(tiny_llama, **kwargs)
     said = [m for m in messages if "nothing is graphed" in m]
@@ -218,7 +230,7 @@ def test_outputs_collected_inside_layers_run_those_steps_eagerly(case):
         build, forward = (lambda: tiny_llama(attn_implementation="eager")), dict(output_attentions=True)
     else:
         build, forward = tiny_qwen2_moe, dict(output_router_logits=True)
-    kwargs = dict(forward_kwargs=dict(forward, use_cache=False))
+    kwargs = dict(forward_kwargs=forward)
     ref, _ = fit_hf("ddp", build, **kwargs)
     got, stats, messages = _fit_cg(build, **kwargs)
     said = [m for m in messages if "collect outputs from inside the graphed layers" in m]
