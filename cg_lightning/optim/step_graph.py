@@ -197,11 +197,7 @@ class OptimizerStepGraph:
                     g["lr"] = lr
             return []
 
-        try:
-            self._graph = self.backend.capture(body, self._pool)
-        except BaseException:  # the backend ended the capture; this object holds nothing of it
-            self._graph, self._pool, self._lr, self._lr_values = None, None, [], []
-            raise
+        self._graph = self.backend.capture(body, self._pool)
         self.phase = "captured"
         if cuda:
             self._graph.replay()  # a CUDA capture records the step without running it
