@@ -17,6 +17,7 @@ import re
 from typing import Callable, Dict, Iterator, List, Sequence
 
 import torch
+import torch.utils.hooks
 import torch.distributed as dist
 import torch.utils.checkpoint as _torch_checkpoint
 from torch.nn.modules import module as _module
@@ -54,25 +55,6 @@ tree_unflatten = _pytree.tree_unflatten
 tree_map = _pytree.tree_map
 tree_flatten_with_path = _pytree.tree_flatten_with_path
 keystr = _pytree.keystr
-
-
-class _NoneNode:
-    """Stands for a ``None`` inside a layer's output: a pytree node without children that unflattens to ``None``
-    (torch versions differ on whether ``None`` is a leaf)."""
-
-
-_pytree.register_pytree_node(_NoneNode, lambda node: ([], None), lambda children, context: None,
-                             serialized_type_name="cg_lightning.torch_compat._NoneNode")
-_NONE_NODE = _NoneNode()
-
-
-def tree_flatten_without_none(tree):
-    """``tree_flatten(tree)`` with ``None`` entries kept in the structure rather than as leaves (``tree_unflatten``
-    gives them back): a layer returning ``(hidden, None)`` has one tensor output. Returns (leaves, spec)."""
-    leaves, spec = _pytree.tree_flatten(tree)
-    if all(x is not None for x in leaves):
-        return leaves, spec
-    return _pytree.tree_flatten(_pytree.tree_map(lambda x: _NONE_NODE if x is None else x, tree))
 
 # ------------------------------------------------------------------------- dispatch modes
 #: ``torch.utils._python_dispatch.TorchDispatchMode``: sees every aten operation, to refuse host syncs inside a
@@ -112,6 +94,12 @@ def module_hooks(module: torch.nn.Module) -> Dict[str, dict]:
     ``backward_pre_hooks``, ``backward_hooks``): hooks that would run at capture only, or between two calls that a
     segment's graph runs together. Read each time: a hook added later lands in the same dictionaries."""
     return {kind.strip("_"): getattr(module, kind) for kind in _MODULE_HOOKS if hasattr(module, kind)}
+
+
+def hook_handles_created() -> int:
+    """``torch.utils.hooks.RemovableHandle.next_id``: how many hook handles (module, tensor, optimizer hooks) were
+    created in this process; it changes when any hook is added, so a changed value means "look again"."""
+    return torch.utils.hooks.RemovableHandle.next_id
 
 
 def global_module_hooks() -> Dict[str, dict]:

@@ -130,6 +130,62 @@ class Stack(nn.Module):
         return self.head(h).pow(2).mean()
 
 
+class ConstantsLayer(nn.Module):
+    """A residual MLP returning its output among constant leaves, as Hugging Face layers do. ``kind``:
+    ``"plain"`` (the tensor alone), ``"pair"`` (``(h, None)``: no attention weights asked for), ``"triple"``
+    (``(h, None, bias)``, a T5 encoder block: the attention bias it computes when ``computes_bias``, else the one
+    it was handed, passed on) or
+    ``"dict"`` (``{"hidden": h, "attentions": None, "flags": (False, 2, "block", torch.float32)}``)."""
+
+    FLAGS = (False, 2, "block", torch.float32)
+
+    def __init__(self, d: int, kind: str, computes_bias: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.bias_proj = nn.Linear(d, d) if computes_bias else None
+        self.kind = kind
+
+    def forward(self, x, bias=None):
+        h = x + torch.tanh(self.fc(x))
+        if self.kind == "pair":
+            return h, None
+        if self.kind == "triple":
+            bias = self.bias_proj(x) if self.bias_proj is not None else bias
+            return h * torch.sigmoid(bias), None, bias
+        if self.kind == "dict":
+            return {"hidden": h, "attentions": None, "flags": self.FLAGS}
+        return h
+
+
+class ConstantsStack(nn.Module):
+    """``inp`` (eager) -> one :class:`ConstantsLayer` per entry of ``kinds`` (graphed; the first ``"triple"``
+    computes the bias, each later one is handed it) -> ``head`` (eager). Every constant leaf is checked where it
+    is unpacked."""
+
+    def __init__(self, kinds, d: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        first = list(kinds).index("triple") if "triple" in kinds else -1
+        self.layers = nn.ModuleList([ConstantsLayer(d, kind, i == first) for i, kind in enumerate(kinds)])
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h, bias = self.inp(x), None
+        for layer in self.layers:
+            out = layer(h) if bias is None or layer.kind != "triple" else layer(h, bias)
+            if layer.kind == "pair":
+                h, none = out
+            elif layer.kind == "triple":
+                h, none, bias = out
+            elif layer.kind == "dict":
+                h, none = out["hidden"], out["attentions"]
+                assert out["flags"] == ConstantsLayer.FLAGS and list(out) == ["hidden", "attentions", "flags"]
+            else:
+                h, none = out, None
+            assert none is None and isinstance(h, torch.Tensor)
+        return self.head(h).pow(2).mean()
+
+
 def graph_manager(model: nn.Module, device="cpu", **graphs) -> GraphManager:
     """``GraphManager`` over ``model`` with ``GraphOptions(warmup_steps=1, backend="eager", **graphs)``."""
     return GraphManager(model, GraphOptions(**{"warmup_steps": 1, "backend": "eager", **graphs}), torch.device(device))

@@ -1,5 +1,8 @@
 """Models nobody here wrote, from ``transformers`` (random tiny configs, no downloads), trained in Lightning.
 
+The builders set ``use_cache=False`` (what the strategy sets for training, :mod:`cg_lightning.lifecycle.hf_cache`),
+so that the ``"ddp"`` reference runs the same model; pass ``use_cache=True`` to get the library's default.
+
 ``HFModule`` wraps any ``transformers`` causal-LM (or seq2seq) model: its training step is the model's own loss
 on a batch of token ids (labels = the ids). ``fit_hf`` trains one under a strategy with a fixed seed and data,
 so a run under ``"ddp"`` and one under ``cudagraph_ddp`` see the same model and batches.
@@ -25,8 +28,29 @@ SEQ = 16
 def tiny_llama(**overrides):
     """A 3-layer ``LlamaForCausalLM``, hidden size 32."""
     config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **overrides}))
+
+
+def tiny_gpt2(**overrides):
+    """A 2-layer ``GPT2LMHeadModel`` (``Conv1D`` projections, tied head), width 32."""
+    config = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
+                  use_cache=False)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**config, **overrides}))
+
+
+def tiny_bert(**overrides):
+    """A 2-layer ``BertForMaskedLM``, width 32."""
+    config = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=64)
+    return transformers.BertForMaskedLM(transformers.BertConfig(**{**config, **overrides}))
+
+
+def tiny_t5(**overrides):
+    """A ``T5ForConditionalGeneration`` with 2 encoder and 2 decoder blocks, width 32 (labels: the input ids)."""
+    config = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                  decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(**{**config, **overrides}))
 
 
 def tiny_qwen2_moe(**overrides):
@@ -34,7 +58,7 @@ def tiny_qwen2_moe(**overrides):
     config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
                   shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-                  decoder_sparse_step=1, router_aux_loss_coef=0.01)
+                  decoder_sparse_step=1, router_aux_loss_coef=0.01, use_cache=False)
     return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**config, **overrides}))
 
 
@@ -65,13 +89,14 @@ def token_loader(n: int = 64, seq: int = SEQ, batch_size: int = 4, seed: int = 1
     return DataLoader(TensorDataset(ids), batch_size=batch_size)
 
 
-def fit_hf(strategy, build: Callable, steps: int = 6, *, seed: int = 0, callbacks=(), accelerator: str = "cpu",
+def fit_hf(strategy, build: Callable, steps: int = 6, *, seed: int = 0, callbacks=(), trainer_kwargs=None,
            **module_kwargs):
-    """Seed, build ``HFModule(build, **module_kwargs)`` and fit it for ``steps`` steps on :func:`token_loader`.
+    """Seed, build ``HFModule(build, **module_kwargs)`` and fit it for ``steps`` steps on :func:`token_loader`
+    with :func:`~tests.helpers.make_trainer` (``trainer_kwargs``: e.g. ``accelerator``, ``precision``).
     Returns (module, trainer)."""
     seed_everything(seed, workers=True)
     module = HFModule(build, **module_kwargs)
-    trainer = make_trainer(strategy, steps, callbacks, accelerator=accelerator)
+    trainer = make_trainer(strategy, steps, callbacks, **(trainer_kwargs or {}))
     trainer.fit(module, token_loader())
     return module, trainer
 

@@ -243,10 +243,11 @@ def test_cuda_moe_layers_split_experts_eager(experts):
     from tests.hf_models import fit_hf, tiny_qwen2_moe
 
     def build():
-        return tiny_qwen2_moe(experts_implementation=experts, use_cache=False)
+        return tiny_qwen2_moe(experts_implementation=experts)
 
-    ref, _ = fit_hf("ddp", build, steps=7, accelerator="gpu")
-    got, trainer = fit_hf(cg_strategy("cuda", on_capture_error="split"), build, steps=7, accelerator="gpu")
+    gpu = dict(accelerator="gpu")
+    ref, _ = fit_hf("ddp", build, steps=7, trainer_kwargs=gpu)
+    got, trainer = fit_hf(cg_strategy("cuda", on_capture_error="split"), build, steps=7, trainer_kwargs=gpu)
     stats = trainer.strategy.last_graph_stats
     assert stats.backend == "cuda" and stats.captured_runners > 0 and stats.forward_replays > 0, stats
     assert all(name.endswith("mlp.experts") for name in stats.failed_layers), stats.failed_layers

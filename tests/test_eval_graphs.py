@@ -292,3 +292,51 @@ def test_eval_input_with_another_layout_gets_its_own_graph():
         assert torch.equal(o, w)
     assert manager.stats.eval_graphs == 2
     manager.remove()
+
+
+def test_eval_outputs_with_none_and_constants_replay_like_eager():
+    """Layers returning ``(h, None)``, ``(h, None, bias)`` and a dict with ``None`` and flag leaves
+    (:class:`tests.engine_models.ConstantsStack`, which checks every constant where it unpacks it) get eval
+    graphs: each replay rebuilds the output around the captured constants and the model's output equals the
+    eager model's exactly."""
+    from tests.engine_models import ConstantsStack
+
+    kinds = ["pair", "triple", "triple", "dict", "plain", "pair"]
+    torch.manual_seed(0)
+    net = ConstantsStack(kinds)
+    ref = ConstantsStack(kinds)
+    ref.load_state_dict(net.state_dict())
+    manager = GraphManager(net, GraphOptions(backend="eager", capture_eval=True, layers=["layers.*"]),
+                           torch.device("cpu"))
+    net.eval()
+    ref.eval()
+    xs = [torch.randn(4, 16) for _ in range(4)]
+    with torch.no_grad():
+        got = [net(x) for x in xs]
+        want = [ref(x) for x in xs]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert manager.stats.eval_graphs == len(kinds) and manager.stats.eval_replays == len(kinds) * 3
+    manager.remove()
+
+
+class _ReturnsCache(_Block):
+    def forward(self, x):
+        return super().forward(x), {"cache": [x.shape[0], set()]}
+
+
+def test_eval_output_leaf_that_may_change_between_calls_stays_eager():
+    """A layer whose output holds a mutable object (here a set) cannot be replayed (a replay would return the
+    captured one): one warning naming the layer and the leaf, then eager calls equal to the reference."""
+    net, ref, manager = _eval_twins(_ReturnsCache, n=1)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        net["blocks"][0](x)
+        with pytest.warns(UserWarning, match=r"'blocks\.0'.*returns a set at output\[1\]\['cache'\]\[1\]"):
+            second = net["blocks"][0](x)
+        third = net["blocks"][0](x)
+        want = ref["blocks"][0](x)
+    for out in (second, third):
+        assert torch.equal(out[0], want[0]) and out[1] == want[1]
+    assert manager.stats.eval_graphs == 0
+    manager.remove()

@@ -255,3 +255,23 @@ def test_short_fit_reduces_loss():
     assert last < first - 1.0, rec.losses
     metrics = trainer.validate(model, datamodule=dm, verbose=False)
     assert metrics[0]["val_loss"] < first
+
+
+def test_llama_example_trains_graphed_as_ddp():
+    """examples/llama.py (configs/llama_tiny.yaml's model) on the default text: its decoder layers graphed by the
+    default selection, weights equal to ``"ddp"`` bit for bit."""
+    pytest.importorskip("transformers")
+    from examples.llama import LlamaLightningModule
+    from tests.helpers import cg_strategy
+
+    models, trainers = [], []
+    for strategy in ("ddp", cg_strategy("eager")):
+        seed_everything(0)
+        dm = TextDataModule(block_size=32, batch_size=4, max_bytes=100_000)
+        models.append(LlamaLightningModule(block_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32))
+        trainers.append(make_trainer(strategy, 5))
+        trainers[-1].fit(models[-1], datamodule=dm)
+    stats = trainers[1].strategy.last_graph_stats
+    assert stats.captured_runners == 2 and stats.forward_replays == 2 * 3, stats
+    for (name, a), b in zip(models[1].state_dict().items(), models[0].state_dict().values()):
+        assert torch.equal(a, b), name

@@ -460,3 +460,91 @@ def test_graphed_layer_inside_non_reentrant_checkpoint_is_refused():
     manager.begin_step(0)  # refused at the first warmup call, not after warmup
     with pytest.raises(GraphCaptureError, match=r"saved-tensor hooks.*non-reentrant torch\.utils\.checkpoint"):
         loss(torch.randn(4, 16))
+
+
+def _train_constants_stack(kinds, steps=4, graphed=True, **graphs):
+    """SGD steps of ``ConstantsStack(kinds)``: with ``graphed`` through the DDP engine with ``layers.*`` graphed
+    (``main_grad``), else plain PyTorch (``.grad``). Returns (each step's gradients by name, manager or None)."""
+    torch.manual_seed(0)
+    model = em.ConstantsStack(kinds)
+    manager = engine = None
+    if graphed:
+        manager, engine = graphed_engine(model, layers=["layers.*"], **graphs)
+    grads = []
+    for step, x in enumerate(batches(steps, 16, "cpu")):
+        if manager is None:
+            model.zero_grad(set_to_none=True)
+            model(x).backward()
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        else:
+            manager.begin_step(step)
+            engine(x).backward()
+            manager.end_step()
+            engine.finish_grad_sync()
+            grads.append({k: p.main_grad.clone() for k, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * (p.grad if manager is None else p.main_grad)
+        if engine is not None:
+            engine.zero_grad_buffer()
+    return grads, manager
+
+
+CONSTANT_KINDS = ["pair", "triple", "triple", "dict", "plain", "pair"]
+
+
+@pytest.mark.parametrize("segments", [True, False], ids=["segments", "per-layer"])
+def test_outputs_with_none_and_constants_are_graphed_like_eager(segments):
+    """Layers returning ``(h, None)``, ``(h, None, bias)`` (the second one handed the first one's bias) and a dict
+    with ``None`` and flag leaves are captured, not refused: every replay returns the recorded constants around
+    the graph's tensors (the model checks each where it unpacks it), and ``main_grad`` equals plain PyTorch's
+    ``.grad`` bit for bit at every step. The ``"plain"`` layer feeds the last ``"pair"`` one: with segments they
+    chain, the tuple-returning layer as the segment's last member."""
+    ref, _ = _train_constants_stack(CONSTANT_KINDS, graphed=False)
+    got, manager = _train_constants_stack(CONSTANT_KINDS, segments=segments)
+    stats = manager.stats
+    assert stats.captured_runners == len(CONSTANT_KINDS) and not stats.failed_layers
+    assert stats.forward_replays == len(CONSTANT_KINDS) * 3 and stats.fallback_calls == 0
+    assert stats.segments == (1 if segments else 0)
+    if segments:
+        members = [r.name for r in manager.all_runners() if r.segment is not None]
+        assert members == ["layers.4", "layers.5"], members
+    assert_grads_equal(got, ref, tol=0)
+
+
+@pytest.mark.parametrize("leaf,where", [
+    (lambda layer: layer, r"returns a Linear at output\[1\]"),
+    (lambda layer: [1, object()], r"returns a object at output\[1\]\[1\]"),
+    (lambda layer: {"cache": {1, 2}}, r"returns a set at output\[1\]\['cache'\]"),
+])
+def test_output_leaf_that_may_change_between_calls_is_refused_naming_it(leaf, where):
+    """A leaf that is neither a tensor nor a constant (a module, an arbitrary object, a mutable set) could
+    change between calls while a replay returns the captured one: capture fails naming the layer and the leaf's
+    place in the output."""
+    from cg_lightning import GraphCaptureError
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(x), leaf(self.fc)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer()])
+
+        def forward(self, x):
+            return self.layers[0](x)[0].pow(2).mean()
+
+    model = Model()
+    manager, engine = graphed_engine(model, layers=["layers.*"])
+    with pytest.raises(GraphCaptureError, match=rf"layer 'layers\.0' {where}.*may change between calls"):
+        for step, x in enumerate(batches(3, 16, "cpu")):
+            manager.begin_step(step)
+            engine(x).backward()
+            manager.end_step()
+            engine.finish_grad_sync()
+            engine.zero_grad_buffer()

@@ -119,17 +119,22 @@ def test_recapture_cache_is_bounded(backend, device):
 
 
 # ----------------------------------------------------------------- capture errors
+class Cache:
+    """A mutable object a layer hands out (as a key/value cache is): no constant a replay could return."""
+
+
 class TupleLayer(torch.nn.Module):
-    """A residual MLP; ``tagged`` makes it also return an int, which graph capture refuses."""
+    """A residual MLP; ``tagged`` makes it also return a :class:`Cache`, which graph capture refuses."""
 
     def __init__(self, d, tagged=False):
         super().__init__()
         self.fc = torch.nn.Linear(d, d)
         self.tagged = tagged
+        self.cache = Cache()
 
     def forward(self, x):
         y = x + torch.tanh(self.fc(x))
-        return (y, 1) if self.tagged else y
+        return (y, self.cache) if self.tagged else y
 
 
 class ThreeLayers(torch.nn.Module):
@@ -187,7 +192,7 @@ def failing_backward(monkeypatch):
 
 
 CAUSES = [
-    pytest.param(1, None, r"non-tensor outputs \(int\)", id="non-tensor-output-at-warmup"),
+    pytest.param(1, None, r"returns a Cache at output\[1\]", id="non-constant-output-at-warmup"),
     pytest.param(None, "failing_backward", "simulated host synchronization", id="backward-capture"),
 ]
 

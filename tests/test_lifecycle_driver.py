@@ -27,6 +27,7 @@ from cg_lightning.lifecycle import (
     apply_graphs,
     build_driver,
 )
+from cg_lightning.lifecycle.summary import compact_names
 from tests.helpers import ROOT, WARMUP
 
 STEPS = 7
@@ -140,6 +141,10 @@ def test_driven_loop_equals_eager_training(kind, accumulate):
     assert stats.forward_replays == 3 * accumulate * (STEPS - WARMUP)
     assert driver.completed_steps == STEPS
     assert [s for s, _ in summaries] == [WARMUP]  # captured once, in the first step after warmup
+    summary = summaries[0][1]
+    assert summary.layers == ("blocks.0", "blocks.1", "blocks.2") and summary.eager == ("inp", "head")
+    assert str(summary).startswith("cg_lightning: captured 3 layer calls (blocks.0-2) with the eager backend in ")
+    assert str(summary).endswith("; eager: inp, head")
     if kind == "adamw_fused":
         assert driver.cached_optimizer_steps == STEPS - 1  # every step after the first, which builds the lists
     else:
@@ -214,6 +219,28 @@ def test_capture_summary_text():
                             "1.23 s (2 graph sets), chained into 1 segment(s)")
     one = CaptureSummary(layer_calls=2, layers=("h.0",), backend="eager", seconds=0.5, graph_sets=1, segments=0)
     assert str(one) == "cg_lightning: captured 2 layer calls (h.0) with the eager backend in 0.50 s"
+    llama = CaptureSummary(layer_calls=12, layers=tuple(f"model.layers.{i}" for i in range(12)), backend="cuda",
+                           seconds=2.0, graph_sets=1, segments=0, eager=("model.embed_tokens", "model.norm", "lm_head"))
+    assert str(llama) == ("cg_lightning: captured 12 layer calls (model.layers.0-11) with the cuda backend in 2.00 s; "
+                          "eager: model.embed_tokens, model.norm, lm_head")
+
+
+def test_compact_names_collapse_runs_of_three_or_more():
+    names = ["a.0", "a.1", "a.3", "a.4", "a.5", "b", "c.1", "c.2", "d.7"]
+    assert compact_names(names) == "a.0, a.1, a.3-5, b, c.1, c.2, d.7"
+    assert compact_names(["x.0", "x.1", "x.2", "y.3", "y.4", "y.5", "z"]) == "x.0-2, y.3-5, z"
+    assert compact_names([f"p{i}" for i in range(5)], limit=3) == "p0, p1, p2, +2 more"
+    assert compact_names([]) == ""
+
+
+def test_summary_names_a_failed_layer_eager():
+    """A layer whose capture failed runs eagerly: the summary lists it with the eager modules, not as graphed."""
+    model = _Net()
+    manager = apply_graphs(model, _graphs(), torch.device("cpu"))
+    manager.layers[1].failure = "returns non-tensor outputs"
+    summary = CaptureSummary.of(manager)
+    assert summary.layers == ("blocks.0", "blocks.2") and summary.eager == ("inp", "blocks.1", "head")
+    manager.remove()
 
 
 def test_backward_that_misses_the_model_waits_for_the_next_one():

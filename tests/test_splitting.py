@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 from cg_lightning import GraphCaptureError
+from cg_lightning.lifecycle.summary import CaptureSummary
 from tests.engine_models import LR, graphed_engine, train_steps
 from tests.helpers import cg_strategy, make_trainer
 
@@ -156,6 +157,9 @@ def test_split_graphs_the_parts_and_runs_the_host_sync_eagerly_bit_exact():
     assert stats.captured_runners == len(NAMES) and stats.captures == 1
     assert stats.forward_replays == 3 * len(NAMES)  # steps 3 to 5
     assert sorted({r.name for r in manager.all_runners()}) == sorted(NAMES)
+    summary = CaptureSummary.of(manager)  # parts graphed, the experts with the modules outside the layers eager
+    assert summary.layers == tuple(NAMES)
+    assert summary.eager == ("inp", "layers.0.moe.experts", "layers.1.moe.experts", "head")
     messages = [str(w.message) for w in caught if "cg_lightning" in str(w.message)]
     assert len(messages) == 1, messages
     text = messages[0]
@@ -249,9 +253,9 @@ def test_hooked_submodule_becomes_a_graphed_part_with_its_hook():
     assert "layers.0.mix" in manager.stats.graphed_parts and manager.stats.forward_replays > 0
 
 
-def test_hook_added_during_warmup_splits_at_that_call_and_stays_exact():
-    """A hook on a submodule that appears between two warmup steps is refused at the layer's next recorded call;
-    under "split" that call's step runs eagerly, the next one records, the one after captures."""
+def test_hook_added_between_warmup_steps_splits_at_the_next_step_and_stays_exact():
+    """A hook on a submodule that appears between two warmup steps is refused when the next step starts; under
+    "split" that step records the parts' calls, the one after captures (and splits the MoE block)."""
     ref, _ = _eager(7)
     torch.manual_seed(0)
     model = MoEStack()
@@ -267,6 +271,33 @@ def test_hook_added_during_warmup_splits_at_that_call_and_stays_exact():
     assert len(calls) == 6  # the hook ran at every step from step 1 on, replayed or not
     assert manager.stats.split_layers == ["layers.1", "layers.1.moe"]
     assert "layers.1.mix" in manager.stats.graphed_parts and manager.stats.forward_replays > 0
+
+
+def test_hook_added_during_a_step_splits_at_the_layers_call_and_stays_exact():
+    """A hook on a submodule added in the middle of a warmup step (by a pre-hook of the second graphed layer, after
+    the step's first graphed call) is refused at that layer's call: the layer is split there, the rest of the step
+    runs eagerly, the next step records and the one after captures; the other layer is split at the capture."""
+    ref, _ = _eager(8)
+    torch.manual_seed(0)
+    model = MoEStack()
+    manager, engine = graphed_engine(model, layers=["layers.*"], warmup_steps=2, on_capture_error="split")
+    calls, forwards, split_by_step = [], [], []
+
+    def add_hook_at_step_1(module, args):
+        forwards.append(1)
+        if len(forwards) == 2:
+            model.layers[1].mix.register_forward_hook(lambda *a: calls.append(1))
+
+    model.layers[1].register_forward_pre_hook(add_hook_at_step_1)  # on the graphed layer itself: allowed
+    model.head.register_forward_hook(lambda *a: split_by_step.append(list(manager.stats.split_layers)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, _ = train_steps(manager, engine, model, _batches(8))
+    _assert_equal(got, ref)
+    assert len(calls) == 7  # the hook ran at every step from step 1 on, replayed or not
+    assert split_by_step[:2] == [[], ["layers.1"]]  # split at its call in step 1
+    assert manager.stats.split_layers == ["layers.1", "layers.0", "layers.1.moe", "layers.0.moe"]
+    assert sorted(manager.stats.graphed_parts) == sorted(NAMES) and manager.stats.forward_replays == 3 * len(NAMES)
 
 
 # ------------------------------------------------------------------------------------------------ Lightning

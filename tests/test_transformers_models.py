@@ -1,8 +1,13 @@
-"""``transformers`` models with the library's own features on, under the strategy against Lightning's ``"ddp"``.
+"""``transformers`` models trained under ``strategy="cudagraph_ddp"`` against Lightning's ``"ddp"``, same seed
+and data (random tiny configs, no downloads; eager graph backend on CPU).
 
-Each test trains a random tiny model from :mod:`tests.hf_models` twice with the same seed and batches: weights
-must be equal bit for bit, and the layers must really be graphed (captured calls counted). CI runs this file on
-the lowest ``transformers`` the package supports and on the newest.
+T5's encoder blocks return ``(hidden_states, position_bias, None)``: the ``None`` (no cross-attention bias in an
+encoder) is kept from the capture and put back around the replayed tensors (``cg_lightning/graphs/outputs.py``);
+so are the fields a layer's ``ModelOutput`` leaves at ``None`` (engine level, against plain PyTorch). The
+library's activation checkpointing and its output-capturing hooks (``output_hidden_states``,
+``output_attentions``, ``output_router_logits``) train under the strategy too, and so does a mixture-of-experts
+model under ``graphs.on_capture_error="split"`` (its layers' parts graphed, the experts eager). CI runs this
+file on the lowest ``transformers`` the package supports and on the newest.
 """
 
 from __future__ import annotations
@@ -10,10 +15,159 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
+from lightning.pytorch import LightningModule, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
 
 from cg_lightning import GraphCaptureError
-from tests.helpers import cg_strategy
-from tests.hf_models import assert_same_weights, fit_hf, tiny_llama, tiny_qwen2_moe, transformers  # noqa: F401
+from tests.engine_models import assert_grads_equal, batches, graphed_engine
+from tests.helpers import WARMUP, cg_strategy, make_trainer, state_rel_diff
+from tests.hf_models import assert_same_weights, fit_hf, tiny_llama, tiny_qwen2_moe
+from tests.recorders import LifecycleRecorder
+
+transformers = pytest.importorskip("transformers")
+
+ENCODER_BLOCKS = "model.encoder.block.*"
+DECODER_BLOCKS = "model.decoder.block.*"
+
+
+class T5Module(LightningModule):
+    """A random ``T5ForConditionalGeneration`` (d_model 32, d_ff 64, 2 layers, 2 heads, vocabulary 64), AdamW,
+    the model's own label loss; ``validation_step`` logs ``val_loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                       decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+        self.model = transformers.T5ForConditionalGeneration(config)
+
+    def training_step(self, batch, batch_idx):
+        source, target = batch
+        return self.model(input_ids=source, labels=target).loss
+
+    def validation_step(self, batch, batch_idx):
+        source, target = batch
+        self.log("val_loss", self.model(input_ids=source, labels=target).loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _loader(seed: int) -> DataLoader:
+    """12 batches of 4 (source of 10 tokens, target of 7), tokens 1..63."""
+    g = torch.Generator().manual_seed(seed)
+    data = TensorDataset(torch.randint(1, 64, (48, 10), generator=g), torch.randint(1, 64, (48, 7), generator=g))
+    return DataLoader(data, batch_size=4)
+
+
+def _fit_t5(strategy, steps: int, validation: bool = True):
+    """Seed, build :class:`T5Module` and fit it; with ``validation`` every 4 steps on 2 batches, after a 2-batch
+    sanity check. Returns (module, trainer, lifecycle recorder)."""
+    seed_everything(3)
+    module = T5Module()
+    life = LifecycleRecorder()
+    every = dict(val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=2) if validation else {}
+    trainer = make_trainer(strategy, steps, [life], validation=validation, **every)
+    trainer.fit(module, train_dataloaders=_loader(0), val_dataloaders=_loader(1))
+    return module, trainer, life
+
+
+def _assert_equal_weights(model, ref) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_t5_encoder_blocks_returning_none_train_and_validate_like_ddp():
+    """The encoder blocks, which return ``(hidden_states, position_bias, None)`` (block 0 computes the bias, block
+    1 is handed it and passes it on), are captured and replayed in training and (``capture_eval``) validation: 9
+    steps, validation at steps 4 and 8 and in the sanity check: weights and validation losses equal "ddp" bit for
+    bit."""
+    steps = 9
+    ref, _, ref_life = _fit_t5("ddp", steps)
+    model, trainer, life = _fit_t5(cg_strategy("eager", layers=[ENCODER_BLOCKS], capture_eval=True), steps)
+    stats = trainer.strategy.last_graph_stats
+    assert stats.captured_runners == 2 and stats.failed_layers == [] and stats.fallback_calls == 0
+    assert stats.forward_replays == 2 * (steps - WARMUP)
+    val_batches = sum(run[1] for run in life.val_runs)
+    assert val_batches == 6 and len(life.val_losses) == 3
+    assert stats.eval_graphs == 2 and stats.eval_replays == 2 * (val_batches - 1)  # the first eval call is eager
+    _assert_equal_weights(model, ref)
+    assert life.val_losses == ref_life.val_losses
+
+
+def test_t5_all_blocks_train_like_ddp():
+    """Encoder and decoder blocks graphed, 8 steps: captured and replayed, weights within 1e-6 (relative) of
+    "ddp". Not bit for bit: the encoder output feeds the cross-attention key and value projections of both
+    decoder blocks; eager backward adds those four gradients one at a time, while decoder block 0's backward
+    graph adds its two before autograd adds them to the rest (another rounding; graphing only the encoder
+    blocks and the last decoder block stays bit for bit). Measured: 4e-8."""
+    steps = 8
+    ref, _, _ = _fit_t5("ddp", steps, validation=False)
+    model, trainer, _ = _fit_t5(cg_strategy("eager", layers=[ENCODER_BLOCKS, DECODER_BLOCKS]), steps,
+                                validation=False)
+    stats = trainer.strategy.last_graph_stats
+    assert stats.captured_runners == 4 and stats.failed_layers == [] and stats.fallback_calls == 0
+    assert stats.forward_replays == 4 * (steps - WARMUP)
+    diff = state_rel_diff(model.state_dict(), ref.state_dict())
+    print(f"T5, all blocks graphed: weight diff {diff:.1e}")
+    assert diff < 1e-6
+
+
+class _ModelOutputLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=x + torch.tanh(self.fc(x)),
+                                                             hidden_states=None, attentions=None)
+
+
+class _ModelOutputStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_ModelOutputLayer() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            out = layer(x)
+            assert type(out) is transformers.modeling_outputs.BaseModelOutput and out.attentions is None
+            x = out.last_hidden_state
+        return x.pow(2).mean()
+
+
+def test_layers_returning_a_model_output_with_none_fields_are_graphed():
+    """Layers returning a ``BaseModelOutput`` whose ``hidden_states`` and ``attentions`` are ``None``: replays
+    return the same class with the same fields (the model checks them), and ``main_grad`` equals plain
+    PyTorch's ``.grad`` bit for bit at every step (no updates: the same weights every step, new data)."""
+    torch.manual_seed(0)
+    plain = _ModelOutputStack()
+    ref = []
+    for x in batches(4, 16):
+        plain.zero_grad(set_to_none=True)
+        plain(x).backward()
+        ref.append({k: p.grad.clone() for k, p in plain.named_parameters()})
+    torch.manual_seed(0)
+    model = _ModelOutputStack()
+    manager, engine = graphed_engine(model, layers=["layers.*"])
+    got = []
+    for step, x in enumerate(batches(4, 16)):
+        manager.begin_step(step)
+        engine(x).backward()
+        manager.end_step()
+        engine.finish_grad_sync()
+        got.append({k: p.main_grad.clone() for k, p in model.named_parameters()})
+        engine.zero_grad_buffer()
+    assert manager.stats.captured_runners == 2 and manager.stats.forward_replays == 2 * 3
+    assert_grads_equal(got, ref, tol=0)
+
+
+def _fit_cg(build, **module_kwargs):
+    """:func:`fit_hf` under the strategy; returns (module, graph stats, cg_lightning warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, trainer = fit_hf(cg_strategy("eager"), build, **module_kwargs)
+    return got, trainer.strategy.last_graph_stats, [str(w.message) for w in caught if "cg_lightning" in str(w.message)]
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
@@ -25,11 +179,8 @@ def test_activation_checkpointing_of_transformers_layers_is_graphed(use_reentran
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
 
     ref, _ = fit_hf("ddp", tiny_llama, prepare=prepare)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got, trainer = fit_hf(cg_strategy("eager"), tiny_llama, prepare=prepare)
-    assert not [w for w in caught if "nothing is graphed" in str(w.message)]
-    stats = trainer.strategy.last_graph_stats
+    got, stats, messages = _fit_cg(tiny_llama, prepare=prepare)
+    assert not [m for m in messages if "nothing is graphed" in m], messages
     assert stats.captured_runners == 3 and stats.forward_replays > 0, stats
     assert_same_weights(got, ref)
     layer = got.model.model.layers[0]
@@ -37,10 +188,63 @@ def test_activation_checkpointing_of_transformers_layers_is_graphed(use_reentran
     assert "PassThrough" not in type(layer.__dict__.get("_gradient_checkpointing_func")).__name__
 
 
+def test_hidden_states_output_keeps_layers_graphed():
+    """``output_hidden_states=True`` installs the library's output hooks (on the layers, and inert ones on their
+    attention): graphed, every step after warmup replayed, weights equal."""
+    kwargs = dict(forward_kwargs=dict(output_hidden_states=True))
+    ref, _ = fit_hf("ddp", tiny_llama, **kwargs)
+    got, stats, messages = _fit_cg(tiny_llama, **kwargs)
+    assert messages == [], messages
+    assert stats.captured_runners == 3 and stats.forward_replays == 3 * (6 - WARMUP), stats
+    assert_same_weights(got, ref)
+
+
+def test_the_cache_is_turned_off_for_training_with_one_warning():
+    """The library's default ``use_cache=True`` would hand the layers a new cache object at every forward: the
+    strategy sets it to ``False`` (one warning) and the layers are graphed, weights equal to ``"ddp"`` on the
+    model without the cache."""
+    ref, _ = fit_hf("ddp", tiny_llama)
+    got, stats, messages = _fit_cg(lambda: tiny_llama(use_cache=True))
+    assert len(messages) == 1 and "set config.use_cache=False on model" in messages[0], messages
+    assert got.model.config.use_cache is False
+    assert stats.captured_runners == 3 and stats.forward_replays == 3 * (6 - WARMUP), stats
+    assert_same_weights(got, ref)
+
+
+def test_a_new_cache_object_every_step_is_said_not_silently_eager():
+    """``use_cache=True`` passed to every training forward: nothing can match the warmup record, and one warning
+    says so and what to do."""
+    kwargs = dict(forward_kwargs=dict(use_cache=True))
+    ref, _ = fit_hf("ddp", tiny_llama, **kwargs)
+    got, stats, messages = _fit_cg(tiny_llama, **kwargs)
+    said = [m for m in messages if "nothing is graphed" in m]
+    assert len(said) == 1 and "use_cache=False" in said[0] and "cache" in said[0], messages
+    assert stats.captured_runners == 0
+    assert_same_weights(got, ref)
+
+
+@pytest.mark.parametrize("case", ["attentions", "router_logits"])
+def test_outputs_collected_inside_layers_run_those_steps_eagerly(case):
+    """``output_attentions`` (hooks on the layers' attention) and ``output_router_logits`` (on an MoE layer's
+    gate, whose auxiliary loss joins the loss): the steps that ask for them run the layers eagerly, one warning,
+    weights equal."""
+    if case == "attentions":
+        build, forward = (lambda: tiny_llama(attn_implementation="eager")), dict(output_attentions=True)
+    else:
+        build, forward = tiny_qwen2_moe, dict(output_router_logits=True)
+    kwargs = dict(forward_kwargs=forward)
+    ref, _ = fit_hf("ddp", build, **kwargs)
+    got, stats, messages = _fit_cg(build, **kwargs)
+    said = [m for m in messages if "collect outputs from inside the graphed layers" in m]
+    assert len(said) == 1, messages
+    assert stats.forward_replays == 0 and stats.fallback_calls > 0, stats
+    assert_same_weights(got, ref)
+
+
 def moe_eager_experts():
-    """:func:`tiny_qwen2_moe` with the loop over experts (``one_hot``, ``nonzero``, ``where``: host syncs) and no
-    cache object per step (``use_cache`` would make every call a new signature); router auxiliary loss off."""
-    return tiny_qwen2_moe(experts_implementation="eager", use_cache=False)
+    """:func:`tiny_qwen2_moe` (no cache, router auxiliary loss off) with the loop over experts (``one_hot``,
+    ``nonzero``, ``where``: host syncs)."""
+    return tiny_qwen2_moe(experts_implementation="eager")
 
 
 def test_moe_decoder_layers_split_attention_and_norms_graphed_experts_eager():

@@ -135,7 +135,7 @@ DEFAULT_TIMED = [
     "cg_lightning.graphs.set_replay:SetReplay.call",
     "cg_lightning.graphs.set_replay:_members_match",
     "cg_lightning.graphs.segments.dispatch:follow",
-    "cg_lightning.graphs.runner:LayerGraphRunner.params_match",
+    "cg_lightning.graphs.call_settings:CapturedSettings.match",
     "cg_lightning.graphs.manager:GraphManager.begin_step",
     "cg_lightning.graphs.manager:GraphManager.before_backward",
     "cg_lightning.graphs.runner:LayerGraphRunner.replay_forward",

@@ -34,15 +34,11 @@ from .discovery import params_to_backprop, reachable_leaves
 from .guards import GraphCaptureError
 from .host_sync import refuse_host_sync
 from .input_pieces import InputPieces, piece_inputs
+from .outputs import OutputStructureError, split_outputs
 from .replay_plan import ReplayPlan, foreign_in
 from .routing import Routing
 from .state import graph_capture, graph_warmup, recording_grad_ready
-from .. import protocol, torch_compat
-
-
-def _flat_outputs(out) -> tuple:
-    """The output's leaves (``None`` entries kept in the structure, not as leaves) and its structure."""
-    return torch_compat.tree_flatten_without_none(out)
+from .. import protocol
 
 
 class CallCapture:
@@ -70,15 +66,11 @@ class CallCapture:
         args, kwargs = self.signature.rebuild(inputs)
         with torch.enable_grad(), autocast_as(self.autocast):
             out = self._call(*args, **kwargs)
-        leaves, spec = _flat_outputs(out)
-        bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
-        if bad:
-            raise GraphCaptureError(
-                f"layer {self.name!r} returns non-tensor outputs ({', '.join(bad)}); a graphed layer must return "
-                "tensors (or nested tuples/lists/dicts of tensors, None entries allowed). Exclude it from "
-                f"graphs.layers, or {guards.SPLIT_HINT}."
-            )
-        return leaves, spec
+        try:
+            return split_outputs(out)
+        except OutputStructureError as exc:
+            raise GraphCaptureError(f"layer {self.name!r} {exc}. Exclude it from graphs.layers, or "
+                                    f"{guards.SPLIT_HINT}.") from None
 
     def _grad_targets(self, params: Sequence[torch.nn.Parameter], inputs: Sequence[torch.Tensor]):
         return [t for t in inputs if t.requires_grad] + list(params)
@@ -132,9 +124,9 @@ class CallCapture:
             if self._anchor is None:  # created inside the capture, on the capture stream
                 self._anchor = torch.empty((), device=self._device, requires_grad=True)
             with graph_capture(), bypass_reentrant_checkpoint(), using_anchor(self._anchor):
-                outs, spec = self._run_module(self.static_inputs)
+                outs, structure = self._run_module(self.static_inputs)
             self._autograd_outputs = outs
-            self._out_spec = spec
+            self._outputs = structure
             return list(outs)
 
         guards.refuse_capture_only_hooks(self.name, self.module)
@@ -146,9 +138,6 @@ class CallCapture:
         except Exception as exc:  # host syncs, CPU tensors, data-dependent control flow ...
             raise GraphCaptureError(guards.capture_failure(self.name, "forward", exc)) from exc
         self._bypassed_regions = regions
-        marker = object()
-        single = len(self._autograd_outputs) == 1
-        self._single_output = single and torch_compat.tree_unflatten([marker], self._out_spec) is marker
         outs = self._autograd_outputs
         self.output_requires_grad = [o.requires_grad for o in outs]
         self._visible = reachable_leaves(outs)

@@ -11,10 +11,12 @@ captured and every later one copies its tensor arguments into the static inputs 
 cloned out of the static buffers by default, so a tensor a ``validation_step`` keeps (predictions
 collected over an epoch) is not overwritten by the next replay (eager lifetime semantics, as for returned
 parameter gradients: pytorch/pytorch#181723).
-A layer whose capture fails (a host sync, a submodule hook, non-tensor outputs), that modifies an input in
-place (seen in its warmup call) or that gets a submodule hook after capture (checked at every replay) runs
-eagerly in eval from then on, with one warning naming it: evaluation graphs are an optimisation and never
-stop a run. Capture restores RNG states and the layer's buffers, so the call's replay is its only run.
+Outputs are rebuilt in the structure the capture returned, with its constant leaves (``None``, flags:
+:mod:`.outputs`). A layer whose capture fails (a host sync, a submodule hook, an output leaf that is neither a
+tensor nor such a constant), that modifies an input in place (seen in its warmup call) or that gets a
+submodule hook after capture (checked at every replay) runs eagerly in eval from then on, with one warning
+naming it: evaluation graphs are an optimisation and never stop a run. Capture restores RNG states and the
+layer's buffers, so the call's replay is its only run.
 Each layer keeps at most ``max_graphs`` keys; calls with further keys run eagerly.
 """
 
@@ -31,6 +33,7 @@ from .autocast import autocast_as, autocast_state
 from .buffer_reuse import copy_into_static
 from .capture import preserved_training_state
 from .host_sync import hook_dicts, hooks_inside, refuse_host_sync
+from .outputs import OutputStructure, OutputStructureError, split_outputs
 from .signature import CallSignature
 
 
@@ -42,7 +45,7 @@ class _EvalEntry:
     calls: int = 0
     graph: object = None  # backends.CapturedGraph once captured
     static_inputs: List[torch.Tensor] = field(default_factory=list)
-    out_spec: object = None
+    outputs: Optional[OutputStructure] = None  # the output's structure and constant leaves (None, flags)
     hook_dicts: List[dict] = field(default_factory=list)  # re-checked at every replay (host_sync.hook_dicts)
 
     def matches(self, args: tuple, kwargs: dict, autocast: tuple, inference: bool) -> bool:
@@ -94,8 +97,9 @@ class EvalGraphs:
     def __call__(self, name: str, module: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict):
         """Run ``forward(*args, **kwargs)`` (``module``'s original forward) through its eval graph.
 
-        Returns the layer's outputs (tensors or nested tuples/lists/dicts of tensors), equal to an eager
-        call's. Never raises for capture problems: the layer then runs eagerly (one ``UserWarning``).
+        Returns the layer's outputs (tensors, or nested tuples/lists/dicts of tensors and constants such as
+        ``None``), equal to an eager call's. Never raises for capture problems: the layer then runs eagerly
+        (one ``UserWarning``).
         """
         state = self._layers.setdefault(id(module), _EvalLayer())
         if state.failure is not None:
@@ -158,11 +162,11 @@ class EvalGraphs:
         def body():
             with autocast_as(entry.autocast):
                 out = forward(*static_args, **static_kwargs)
-            leaves, entry.out_spec = torch_compat.tree_flatten_without_none(out)
-            bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
-            if bad:
-                raise RuntimeError(f"the layer returns non-tensor outputs ({', '.join(bad)})")
-            return leaves
+            try:
+                tensors, entry.outputs = split_outputs(out)
+            except OutputStructureError as exc:
+                raise RuntimeError(f"the layer {exc}") from None
+            return tensors
 
         if self.pool is None:
             self.pool = self.backend.new_pool()
@@ -183,7 +187,7 @@ class EvalGraphs:
         outs = entry.graph.outputs
         if self.clone_outputs:
             outs = [o.clone() for o in outs]
-        return torch_compat.tree_unflatten(list(outs), entry.out_spec)
+        return entry.outputs.rebuild(outs)
 
     def clear(self) -> None:
         """Drop every eval graph (the pool is freed once nothing refers to it)."""

@@ -1,7 +1,7 @@
 """What becomes of a layer that cannot be captured: ``graphs.on_capture_error``.
 
-A layer fails when its capture raises :class:`~.guards.GraphCaptureError` (a host sync, a CPU tensor, outputs
-that are not tensors) or when an early refusal names it (hooks inside it, an enclosing non-reentrant
+A layer fails when its capture raises :class:`~.guards.GraphCaptureError` (a host sync, a CPU tensor, an output
+leaf that is neither a tensor nor a constant: :mod:`.outputs`) or when an early refusal names it (hooks inside it, an enclosing non-reentrant
 checkpoint). ``"raise"`` lets the error stop training. ``"eager"`` runs the layer eagerly from then on, with
 one warning (:meth:`CaptureFailures.mark_failed`). ``"split"`` replaces the layer by its parts
 (:mod:`.splitting`); a part that cannot be split in turn runs eagerly, named in the split's warning, which
@@ -23,7 +23,7 @@ from .splitting import LayerSelection
 class CaptureFailures:
     """The ``on_capture_error`` policy of one graph manager, over its ``selection``, graph-set ``cache`` and
     ``stats``. :attr:`reselected` is set when a layer was split (the manager then records the step again:
-    its records hold no calls of the new parts) until the manager clears it."""
+    its records hold no calls of the new parts) until :meth:`take_split` or the manager clears it."""
 
     def __init__(self, options: GraphOptions, selection: LayerSelection, cache: GraphSetCache,
                  stats: GraphStats) -> None:
@@ -32,10 +32,22 @@ class CaptureFailures:
         self.cache = cache
         self.stats = stats
         self.reselected = False
+        self.capture_after = -1  #: steps up to this one record again (a split changed the selection)
+
+    def take_split(self, last_recording_step: int) -> bool:
+        """Whether a layer was split since the last call: then every graph set is dropped (none holds calls of
+        the new parts) and steps up to ``last_recording_step`` record before one captures."""
+        if not self.reselected:
+            return False
+        self.reselected = False
+        self.cache.clear()
+        self.capture_after = max(self.capture_after, last_recording_step)
+        return True
 
     def refuse_early(self, layer: GraphedLayer, at_call: bool) -> None:
-        """What capture would refuse and can be seen before it, refused now: hooks in the layer (at setup and at
-        every recorded call), an enclosing non-reentrant checkpoint (at every recorded call).
+        """What capture would refuse and can be seen before it, refused now: hooks in the layer (at setup, at the
+        start of a step after hooks were added, at every recorded call), an enclosing non-reentrant checkpoint
+        (at every recorded call: ``at_call``).
 
         Raises:
             GraphCaptureError: under ``on_capture_error="raise"``, naming the layer and the hooks.
@@ -90,9 +102,12 @@ class CaptureFailures:
                 stacklevel=6,
             )
 
-    def report(self) -> None:
+    def report(self, pending_only: bool = False) -> None:
         """After a capture that split nothing more: one warning per split layer not yet reported
-        (:meth:`~.splitting.LayerSelection.report`), and ``stats.graphed_parts``."""
+        (:meth:`~.splitting.LayerSelection.report`), and ``stats.graphed_parts``; nothing when ``pending_only``
+        and no split is waiting for its warning."""
+        if pending_only and not self.selection.unreported:
+            return
         graphed: Set[int] = {key[0] for graph_set in self.cache.sets for key in graph_set.runners}
         for message in self.selection.report(graphed):
             warnings.warn(message, stacklevel=5)

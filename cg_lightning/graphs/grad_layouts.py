@@ -19,17 +19,19 @@ from .. import torch_compat
 
 
 def watch_grad_layouts(out) -> List[Optional[Tuple[int, ...]]]:
-    """A list, one entry per flattened output of an eager call, that the call's backward fills with the
-    strides of the gradient each output receives (``None`` until then, or for outputs without one).
+    """A list, one entry per tensor among the flattened outputs of an eager call (constant leaves such as
+    ``None`` are skipped, as in the graph's outputs: :mod:`.outputs`), that the call's backward fills with the
+    strides of the gradient each tensor receives (``None`` until then, or for tensors without one).
 
     Eager backward computes a layer's backward on whatever layout the consumer of its output hands back (a
     contiguous gradient for a transposed or channels-last output, say). A backward graph reads its gradient
     outputs from buffers filled by copy; made with the outputs' own layout, a replay would compute on another
     memory order than eager, and reductions would sum in another order (up to 1e-7 relative apart)."""
-    leaves, _ = torch_compat.tree_flatten_without_none(out)  # as the runner flattens outputs
-    layouts: List[Optional[Tuple[int, ...]]] = [None] * len(leaves)
-    for i, t in enumerate(leaves):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
+    leaves, _ = torch_compat.tree_flatten(out)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    layouts: List[Optional[Tuple[int, ...]]] = [None] * len(tensors)
+    for i, t in enumerate(tensors):
+        if t.requires_grad:
             t.register_hook(functools.partial(_note_layout, layouts, i))
     return layouts
 

@@ -164,3 +164,29 @@ def nothing_graphed(names: Sequence[str], warmup_steps: int, no_grad_calls: int)
     return (f"cg_lightning: nothing is graphed: the {warmup_steps} warmup step(s) are over, but in this training "
             f"step the selected layers ({listed}) {why}. These calls run eagerly: training stays correct and gains "
             "no speed. This warning is given once.")
+
+
+def observers_active() -> str:
+    """The warning given once when a training step asks transformers to collect outputs from inside graphed
+    layers (:mod:`.observer_hooks`)."""
+    return ("cg_lightning: this training step asks transformers to collect outputs from inside the graphed layers "
+            "(output_attentions, output_router_logits, or hidden states of a submodule): the graphed layers run "
+            "eagerly in such steps, so that the library collects them; other steps replay the graphs. Request "
+            "those outputs only where you need them (a validation step), or leave the layers out of "
+            "graphs.layers. This warning is given once.")
+
+
+def unmatched_warmup(mismatches: Sequence[str]) -> str:
+    """The warning given once when no step after warmup starts like the recorded one, so nothing is captured."""
+    hint = (" A new cache object in every forward (transformers with use_cache=True) never matches: pass "
+            "use_cache=False to the model in training." if any("Cache" in m for m in mismatches) else "")
+    return ("cg_lightning: nothing is graphed: the first graphed call of this step differs from the one recorded in "
+            "the warmup steps, so the recorded calls cannot be captured and the layers run eagerly:\n  "
+            + "\n  ".join(mismatches) + f"\n{hint}".rstrip() + " This warning is given once.")
+
+
+def cache_full(limit: int, signature: str) -> str:
+    """The warning given once when ``graphs.max_graph_sets`` (``limit``) sets exist and a step with another
+    argument ``signature`` (described) runs eagerly."""
+    return (f"cg_lightning: graphs.max_graph_sets={limit} graph sets exist; steps with other argument signatures "
+            f"(this one: {signature}) run eagerly. Further such steps are not reported.")

@@ -24,6 +24,7 @@ from typing import List, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .observer_hooks import is_observer
 from ..torch_compat import (
     TorchDispatchMode,
     global_module_hooks,
@@ -128,8 +129,8 @@ def hook_dicts(layer: torch.nn.Module) -> List[dict]:
 
 
 def hooks_inside(layer: torch.nn.Module) -> List[str]:
-    """Descriptions of the hooks that would run only at capture: module hooks on submodules, global module
-    hooks, and gradient hooks on the layer's parameters (``Tensor.register_hook``,
+    """Descriptions of the hooks that would run only at capture: module hooks on submodules (except
+    transformers' output observers, :mod:`.observer_hooks`), global module hooks, and gradient hooks on the layer's parameters (``Tensor.register_hook``,
     ``register_post_accumulate_grad_hook``: a replay computes those gradients inside the graph)."""
     found = []
     for name, p in layer.named_parameters():
@@ -141,7 +142,7 @@ def hooks_inside(layer: torch.nn.Module) -> List[str]:
         if module is layer:
             continue
         for kind, hooks in module_hooks(module).items():
-            if hooks:
+            if any(not (kind == "forward_hooks" and is_observer(hook)) for hook in hooks.values()):
                 found.append(f"{kind.replace('_', ' ')[:-1]} on submodule {name!r}")
     for kind, hooks in global_module_hooks().items():
         if hooks:

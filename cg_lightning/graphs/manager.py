@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from . import guards, outer_checkpoint
+from . import guards, observer_hooks, outer_checkpoint
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
 from .failures import CaptureFailures
@@ -51,6 +51,7 @@ from .splitting import LayerSelection
 from .set_capture import SetCapture
 from .set_replay import SetReplay
 from .signature import CallSignature
+from .. import torch_compat
 
 
 class StepMode(enum.Enum):
@@ -93,6 +94,8 @@ class GraphManager:
         self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
         #: the selected layers and, after splits (on_capture_error="split"), their parts (:mod:`.splitting`)
         self.selection = LayerSelection(select_layers(model, options.layers), self._make_dispatch)
+        #: the layers dispatched, the selection's own list (a split inserts the parts; the split one runs eagerly)
+        self.layers: List[GraphedLayer] = self.selection.layers
         self.cache = GraphSetCache(options.max_graph_sets)
         #: graphs.on_capture_error: layers run eagerly or split into their parts (:mod:`.failures`)
         self._failures = CaptureFailures(options, self.selection, self.cache, self.stats)
@@ -107,7 +110,6 @@ class GraphManager:
         self._warmup_kinds: List[StepRecord] = []
         self._start_step: Optional[int] = None
         self._global_step = 0
-        self._capture_after = -1  # a split changed the selection: steps up to this one record again
         self._calls: Dict[int, int] = {}
         self._in_training_step = False
         #: called at a graphed training call outside a micro-batch (autograd on, module in training mode) to open
@@ -127,25 +129,31 @@ class GraphManager:
         # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
         self.grad_ready = None
-        if self.backend is not None:
-            for layer in list(self.layers):
-                self._failures.refuse_early(layer, at_call=False)
+        self._observers: Set[Callable] = set()  # transformers' output hooks inside the layers (.observer_hooks)
+        self._observers_warned = False
+        self._hooks_seen = torch_compat.hook_handles_created()
+        for layer in list(self.layers):
+            self._refuse_early(layer, at_call=False)
         self._failures.reselected = False  # nothing was recorded yet
 
-    @property
-    def layers(self) -> List[GraphedLayer]:
-        """The layers dispatched: the selected ones and the parts of those split (a split one runs eagerly)."""
-        return self.selection.layers
+    def _refuse_early(self, layer: GraphedLayer, at_call: bool) -> None:
+        """What capture would refuse and can be seen before it, refused now under ``on_capture_error`` (a layer
+        is split under ``"split"``: :meth:`~.failures.CaptureFailures.refuse_early`); notes the transformers
+        observer hooks inside the layer."""
+        if layer.failure is not None or self.backend is None:
+            return
+        self._observers.update(observer_hooks.observers_inside(layer.module))
+        self._failures.refuse_early(layer, at_call)
 
-    def _record_again(self, last_recording_step: int) -> None:
-        """The selection changed (a split): drop every graph set and recorded step, which lack the new parts'
-        calls; steps up to ``last_recording_step`` record, a later one captures."""
-        self._failures.reselected = False
-        self.cache.clear()
+    def _split_since(self, last_recording_step: int) -> bool:
+        """Whether a layer was split since the last look; the graph sets and recorded steps, which lack its parts'
+        calls, are dropped then: steps up to ``last_recording_step`` record, a later one captures."""
+        if not self._failures.take_split(last_recording_step):
+            return False
         self._warmup_record, self._warmup_kinds, self._recording = None, [], None
         self._replay.graph_set = None
         self._sets.count()
-        self._capture_after = max(self._capture_after, last_recording_step)
+        return True
 
     def bind_grad_ready(self, reporter) -> None:
         """Hand this manager the grad-ready reporter of the data-parallel engine that owns the model's
@@ -213,7 +221,7 @@ class GraphManager:
         """Warmup is over (the capture happens at the first graphed call of a step from then on)."""
         start = self._start_step if self._start_step is not None else 0
         return (self.backend is not None and self._global_step >= start + max(1, self.options.warmup_steps)
-                and self._global_step > self._capture_after)
+                and self._global_step > self._failures.capture_after)
 
     def _end_warmup(self) -> None:
         """Warmup is over: the last warmup record of each lead signature waits for the first micro-batch of its
@@ -238,9 +246,13 @@ class GraphManager:
         """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""
         if all(layer.failure is not None for layer in self.layers):
             self._mode = StepMode.EAGER  # nothing left to capture
-            if self.selection.unreported:
-                self._failures.report()  # splits whose parts all run eagerly
+            self._failures.report(pending_only=True)  # splits whose parts all run eagerly
             return
+        if torch_compat.hook_handles_created() != self._hooks_seen:  # hooks added since: look at the layers again
+            self._hooks_seen = torch_compat.hook_handles_created()
+            for layer in list(self.layers):
+                self._refuse_early(layer, at_call=False)
+            self._split_since(self._global_step)  # a split here: this step records again
         if not self.capture_due or (not self.cache.sets and not self.cache.pending and not self._warmup_record):
             self._warmup_record = StepRecord(CallSignature(args, kwargs))
             if not self.multi_pass:  # one kind of micro-batch; others follow shape_policy
@@ -248,6 +260,12 @@ class GraphManager:
             self._warmup_kinds = [r for r in self._warmup_kinds if not r.lead.matches(args, kwargs)]
             self._warmup_kinds.append(self._warmup_record)
             self._mode, self._recording = StepMode.RECORD, self._warmup_record
+            return
+        if self._observers and observer_hooks.any_active(self._observers):
+            self._mode = StepMode.EAGER  # transformers collects outputs from inside the layers in this step
+            if not self._observers_warned:
+                self._observers_warned = True
+                warnings.warn(guards.observers_active(), stacklevel=4)
             return
         self._end_warmup()
         self._mode = StepMode.REPLAY
@@ -258,8 +276,7 @@ class GraphManager:
         pending = self.cache.pop_pending(args, kwargs)  # a kind seen in warmup, or recorded under "recapture"
         if pending is not None:
             replay.graph_set = self._sets.capture(pending, self.grad_ready, self._segment_ends)
-            if self._failures.reselected:  # a layer was split: this step records the parts' calls, the next captures
-                self._record_again(self._global_step)
+            if self._split_since(self._global_step):  # this step records the parts' calls, the next captures
                 self._start_of_step(args, kwargs)
                 return
             self._failures.report()
@@ -270,7 +287,11 @@ class GraphManager:
             if self.cache.sets:  # mismatching calls follow the policy (SetReplay)
                 replay.graph_set = self.cache.sets[0]
             else:
-                self._mode = StepMode.EAGER  # every layer failed to capture
+                self._mode = StepMode.EAGER  # every layer failed to capture, or no recorded kind matches
+                if self.cache.pending and not self._nothing_warned:
+                    self._nothing_warned = True
+                    warnings.warn(guards.unmatched_warmup(self.cache.pending[-1].lead.mismatches(args, kwargs)),
+                                  stacklevel=4)
             return
         if not self.cache.full:
             self._recording = StepRecord(CallSignature(args, kwargs))
@@ -280,12 +301,7 @@ class GraphManager:
             self._mode = StepMode.EAGER
             if not self._cache_full_warned:
                 self._cache_full_warned = True
-                warnings.warn(
-                    f"cg_lightning: graphs.max_graph_sets={self.cache.limit} graph sets exist; steps with other "
-                    f"argument signatures (this one: {describe(CallSignature(args, kwargs))}) run eagerly. Further "
-                    "such steps are not reported.",
-                    stacklevel=4,
-                )
+                warnings.warn(guards.cache_full(self.cache.limit, describe(CallSignature(args, kwargs))), stacklevel=4)
 
     # ----------------------------------------------------------------- dispatch
     def _make_dispatch(self, layer: GraphedLayer):
@@ -302,9 +318,8 @@ class GraphManager:
         if self._mode is StepMode.UNSTARTED:
             self._start_of_step(args, kwargs)
         if self._mode is StepMode.RECORD:
-            self._failures.refuse_early(layer, at_call=True)
-            if self._failures.reselected:  # split at this call: the record misses its parts' earlier calls
-                self._record_again(self._global_step + 1)
+            self._refuse_early(layer, at_call=True)
+            if self._split_since(self._global_step + 1):  # the record misses its parts' earlier calls
                 self._mode = StepMode.EAGER
         if layer.failure is not None:
             self.stats.eager_calls += 1

@@ -24,6 +24,10 @@ import torch
 import torch.nn as nn
 
 
+#: the attribute transformers sets on each checkpointing layer (the library's, not torch's)
+FUNCTION = "_gradient_checkpointing_func"
+
+
 class PassThrough:
     """Stands in for a layer's ``_gradient_checkpointing_func`` around ``__call__``: calls straight through.
     ``inner`` is the layer's checkpoint function, applied inside ``forward`` by :func:`checkpointed_forward`."""
@@ -44,16 +48,16 @@ def checkpoints_around_call(module: nn.Module) -> bool:
 
 def hold(module: nn.Module) -> None:
     """Swap the checkpoint function set on ``module`` (if any, and not yet swapped) for a :class:`PassThrough`."""
-    function = module.__dict__.get("_gradient_checkpointing_func")
+    function = module.__dict__.get(FUNCTION)
     if function is not None and not isinstance(function, PassThrough):
-        module._gradient_checkpointing_func = PassThrough(function)
+        setattr(module, FUNCTION, PassThrough(function))
 
 
 def release(module: nn.Module) -> None:
     """Give ``module`` its own checkpoint function back."""
-    function = module.__dict__.get("_gradient_checkpointing_func")
+    function = module.__dict__.get(FUNCTION)
     if isinstance(function, PassThrough):
-        module._gradient_checkpointing_func = function.inner
+        setattr(module, FUNCTION, function.inner)
 
 
 def checkpointed_forward(module: nn.Module, forward: Callable) -> Callable:
@@ -61,7 +65,7 @@ def checkpointed_forward(module: nn.Module, forward: Callable) -> Callable:
     checkpointed it (flag on, training mode, autograd on) and that function is held (:func:`hold`)."""
 
     def call(*args, **kwargs):
-        function = module.__dict__.get("_gradient_checkpointing_func")
+        function = module.__dict__.get(FUNCTION)
         if (isinstance(function, PassThrough) and module.gradient_checkpointing and module.training
                 and torch.is_grad_enabled()):
             return function.inner(functools.partial(forward, **kwargs), *args)

@@ -36,7 +36,6 @@ from ..torch_compat import (
     keystr,
     tree_flatten,
     tree_flatten_with_path,
-    tree_unflatten,
     version,
     will_engine_execute_node,
 )
@@ -86,10 +85,11 @@ def _aliases(out, storage: Optional[int]) -> bool:
     return bool(tensors) and all(_storage(x) == storage for x in tensors)
 
 
-def _difference(graph_outs: Sequence[torch.Tensor], eager_outs: Sequence[torch.Tensor], spec) -> Optional[str]:
-    """How the outputs of a run on the wide copy differ from those of a run on the low-precision tensor."""
-    paths, _ = tree_flatten_with_path(tree_unflatten(list(graph_outs), spec))
-    paths = [(path, x) for path, x in paths if x is not None]  # None outputs are structure, not leaves
+def _difference(graph_outs: Sequence[torch.Tensor], eager_outs: Sequence[torch.Tensor], structure) -> Optional[str]:
+    """How the outputs of a run on the wide copy differ from those of a run on the low-precision tensor
+    (``structure``: the outputs' :class:`~.outputs.OutputStructure`)."""
+    paths = [(path, x) for path, x in tree_flatten_with_path(structure.rebuild(list(graph_outs)))[0]
+             if isinstance(x, torch.Tensor)]
     for (path, _), a, b in zip(paths, graph_outs, eager_outs):
         name = f"output{keystr(path)}"
         if a.dtype != b.dtype or a.shape != b.shape:
@@ -142,13 +142,13 @@ class RelaxedCalls:
             with self._isolated():
                 graph_in = inputs(copies=True)
                 with _InputReads({k: graph_in[k] for k in self.low}) as reads:
-                    graph_outs, spec = self.runner._run_module(graph_in)
+                    graph_outs, structure = self.runner._run_module(graph_in)
             self.casts, self.others = reads.casts, reads.others
             self.depends = [{k for k in nograd if id(graph_in[k]) in reachable_leaves([o])} for o in graph_outs]
             if self.low:
                 with self._isolated():
                     eager_outs, _ = self.runner._run_module(inputs(copies=False))
-                self.difference = _difference(graph_outs, eager_outs, spec)
+                self.difference = _difference(graph_outs, eager_outs, structure)
         except Exception as exc:  # the callable refuses the probe's values or dtypes
             self.depends, self.failure = None, f"the capture-time check of it failed ({type(exc).__name__}: {exc})"
 

@@ -10,26 +10,24 @@ are its :class:`~.replay_plan.ReplayPlan`, both fixed at capture as values. ``re
 
 from __future__ import annotations
 
-import operator
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from .buffer_reuse import check_shared_inputs, copy_into_static
-from .autocast import autocast_state
 from . import guards
 from .call_capture import CallCapture
+from .call_settings import REQUIRES_GRAD, CapturedSettings
 from .grad_layouts import static_grad_output_buffer
 from .discovery import owned_parameters
 from .main_grad_adds import MainGradAdds
+from .outputs import OutputStructure
 from .replay_plan import ReplayPlan
 from .routing import Routing
 from .signature import CallSignature
 from .. import protocol
 from .. import torch_compat
 
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getter for the per-replay frozen check
-_TRAINING = operator.attrgetter("training")
 
 
 class LayerGraphRunner(CallCapture):
@@ -48,7 +46,7 @@ class LayerGraphRunner(CallCapture):
         num_warmup_iters: eager warmup passes (>= 1).
         autocast: the autocast settings the call was recorded under (:func:`.capture.autocast_state`);
             warmup, capture and eager-backend replays of the body run under them. ``None``: the ambient ones.
-        grad_output_layouts: per flattened output, the strides of the gradient eager backward handed it in the
+        grad_output_layouts: per tensor output, the strides of the gradient eager backward handed it in the
             recorded step (:func:`watch_grad_layouts`), or ``None``: the layouts of the buffers the backward graph
             reads its output gradients from (:func:`static_grad_output_buffer`). ``None``: the outputs' own.
         input_pieces: return each input's gradient as the pieces eager autograd would add one by one
@@ -91,12 +89,10 @@ class LayerGraphRunner(CallCapture):
         self.clone_param_grads_on_return = clone_param_grads_on_return
         self.num_warmup_iters = max(1, num_warmup_iters)
         self.owned = owned_parameters(module)
+        #: autocast, train/eval modes and requires_grad at capture, checked at every replay (:mod:`.call_settings`)
+        self.settings = CapturedSettings(module, autocast)
         #: the module's parameters, to see in-place changes between a segment's launch and this layer's call
-        self.module_params = list(module.parameters())
-        self._submodules = list(module.modules())
-        self._modes = tuple(map(_TRAINING, self._submodules))  # train/eval of each submodule at capture
-        # requires_grad of each parameter at capture (toggle_optimizer flips it between passes)
-        self._grads_needed = tuple(map(_REQUIRES_GRAD, self.module_params))
+        self.module_params = self.settings.params
         samples = signature.tensor_leaves(sample_args, sample_kwargs)
         self.static_inputs = [
             s.detach().clone().requires_grad_(m.requires_grad)
@@ -115,8 +111,8 @@ class LayerGraphRunner(CallCapture):
         self.returned_versions: List[int] = []
         self._set_plan(ReplayPlan())  # built by capture_backward
         self.output_requires_grad: List[bool] = []
-        self._out_spec = None
-        self._single_output = False  # the layer returns one tensor (no pytree at replay)
+        #: the structure of the layer's output and its constant leaves (:mod:`.outputs`), set by capture_forward
+        self._outputs: Optional[OutputStructure] = None
         self._fwd = None
         self._bwd = None
         self.static_grad_outputs: List[Optional[torch.Tensor]] = []
@@ -131,50 +127,10 @@ class LayerGraphRunner(CallCapture):
         self.forward_generation = 0
 
     # ----------------------------------------------------------------- matching
-    def autocast_matches(self) -> bool:
-        """The autocast settings in force now are the ones this call was captured under (a graph replays
-        the kernels of its capture: a block whose autocast is switched on or off later must not replay)."""
-        return self.autocast is None or autocast_state() == self.autocast
-
-    def modes_match(self) -> bool:
-        """Every submodule of the layer is in the train/eval mode it was captured in (a graph replays its
-        capture's kernels: a dropout switched to eval alone would still drop). The layer itself in eval mode
-        never reaches a training graph (it runs eagerly or through :mod:`.eval_graphs`)."""
-        return tuple(map(_TRAINING, self._submodules)) == self._modes
-
-    def params_match(self) -> bool:
-        """Every parameter of the layer requires grad as it did at capture (a graph computes the weight
-        gradients of its capture: a layer frozen by ``toggle_optimizer`` must not replay one captured
-        trainable, nor the other way round)."""
-        return tuple(map(_REQUIRES_GRAD, self.module_params)) == self._grads_needed
-
-    def settings_match(self) -> bool:
-        """The autocast settings, the submodules' train/eval modes and the parameters' ``requires_grad`` are
-        the captured ones."""
-        return self.autocast_matches() and self.modes_match() and self.params_match()
-
     def mismatches(self, args: tuple, kwargs: dict) -> List[str]:
-        """How a call differs from the captured one: argument lines (``CallSignature.mismatches``), the
-        autocast settings and the submodules' train/eval modes."""
-        return self.signature.mismatches(args, kwargs) + self.settings_mismatches()
-
-    def settings_mismatches(self, autocast: bool = True) -> List[str]:
-        """How the autocast settings (unless ``autocast=False``), train/eval modes and ``requires_grad`` differ
-        from the captured ones."""
-        out = []
-        if autocast and not self.autocast_matches():
-            out.append(f"autocast: captured {guards.describe_autocast(self.autocast)}, "
-                       f"got {guards.describe_autocast(autocast_state())}")
-        if not self.modes_match():
-            changed = [name or "(the layer)" for (name, m), was in zip(self.module.named_modules(), self._modes)
-                       if m.training != was]
-            out.append(f"train/eval mode changed since capture for submodule(s) {changed}")
-        if not self.params_match():
-            changed = [name for (name, p), was in zip(self.module.named_parameters(), self._grads_needed)
-                       if p.requires_grad != was]
-            out.append(f"requires_grad changed since capture for parameter(s) {changed} (toggle_optimizer or "
-                       "freezing)")
-        return out
+        """How a call differs from the captured one: argument lines (``CallSignature.mismatches``), then the
+        captured settings' (:meth:`.call_settings.CapturedSettings.mismatches`)."""
+        return self.signature.mismatches(args, kwargs) + self.settings.mismatches()
 
     # ----------------------------------------------------------------- building
     @property
@@ -307,7 +263,7 @@ class LayerGraphRunner(CallCapture):
             segment.consume(self)
         if self._frozen_at_capture:
             guards.check_still_frozen(self.name, self.module, self._frozen_at_capture)
-        if self._unseen_if_frozen and not all(map(_REQUIRES_GRAD, self._unseen_if_frozen)):
+        if self._unseen_if_frozen and not all(map(REQUIRES_GRAD, self._unseen_if_frozen)):
             guards.refuse_frozen_unseen(self.name, self.module, self.direct_params, self.hidden_params)
         self.forward_generation += 1
         copy_into_static(self.static_inputs, inputs)
@@ -373,6 +329,6 @@ class LayerGraphRunner(CallCapture):
         return (*input_grads, *pieces, *param_grads)
 
     def output_structure(self, flat: tuple):
-        if self._single_output:
-            return flat[0]
-        return torch_compat.tree_unflatten(list(flat), self._out_spec)
+        """The layer's output as an eager call returns it: ``flat`` (the replay's tensors) in its structure, with
+        the constant leaves (``None``, flags) recorded at capture."""
+        return self._outputs.rebuild(flat)

@@ -1,11 +1,19 @@
 """Which modules of a model get graphs, and the record the graph manager keeps of each.
 
-By default, the repeated blocks: in every ``nn.ModuleList`` and ``nn.Sequential``, the entries with trainable
-parameters of the class that occurs most often there (at least twice in an ``nn.Sequential``): a transformer's
-blocks, a ResNet stage's blocks, not the stem and head around them; outermost first, so that a block's own inner stacks are not
-chosen a second time. A model with no such stack (one ``nn.Linear``, a hand-written MLP) gets no graphs:
-:func:`default_layers` returns nothing and the front-ends train it eagerly under the data-parallel engine, with
-a warning that names ``graphs.layers``.
+By default, the blocks of every stack, each ``nn.ModuleList`` and ``nn.Sequential`` judged on its own, outermost
+first (a selected block's own inner stacks are not judged). Only entries with trainable parameters count:
+
+* ``nn.Sequential`` (a pipeline: stem, blocks, head): the entries of its most frequent class, when it occurs at
+  least twice; a ResNet stage's blocks, not the ``nn.Linear`` or ``nn.Embedding`` around them.
+* ``nn.ModuleList`` (a list the parent loops over): the entries of its most frequent class, and also every entry
+  of a class defined outside ``torch`` (a layer class of the model's own), so that a hybrid stack of several
+  decoder-layer classes (Jamba's attention and Mamba layers) is graphed whole; lone ``torch.nn`` built-ins
+  (an ``nn.Linear`` or ``nn.LayerNorm`` among the layers) are not.
+
+A model with no stack (one ``nn.Linear``, an MLP of separately named layers) gets no graphs:
+:func:`default_layers` returns nothing and the front-ends train it eagerly under the data-parallel engine, with a
+warning that names ``graphs.layers``. :func:`eager_modules` names what runs outside the graphs, for the capture
+summary.
 """
 
 from __future__ import annotations
@@ -13,13 +21,13 @@ from __future__ import annotations
 import fnmatch
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
 NO_DEFAULT_LAYERS = (
-    "cg_lightning: {model} has no repeated layers to graph by default (no nn.ModuleList or nn.Sequential "
-    "holds two or more modules of one class with trainable parameters), so it trains without graphs, under "
+    "cg_lightning: {model} has no repeated layers to graph by default (no nn.ModuleList holds a module with "
+    "trainable parameters, no nn.Sequential two of one class), so it trains without graphs, under "
     "the exact data-parallel engine. To graph chosen modules, set graphs.layers to glob patterns over module "
     "names, e.g. graphs={{'layers': [{example}]}}; some names: {names}"
 )
@@ -43,21 +51,25 @@ class GraphedLayer:
     parts: Optional[List["GraphedLayer"]] = None
 
 
+def _own_class(module: nn.Module) -> bool:
+    """Whether ``module``'s class is defined outside ``torch`` (a model's own layer, not a built-in)."""
+    return not type(module).__module__.startswith("torch.")
+
+
 def _stack_blocks(container: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The entries with trainable parameters of the container's most frequent class: at least two in an
-    ``nn.Sequential`` (a pipeline of different steps), any number in an ``nn.ModuleList`` (a list of layers,
-    one in a one-layer model)."""
+    """The blocks of one ``nn.ModuleList`` or ``nn.Sequential``, by the rule of the module docstring."""
     entries = [(key, m) for key, m in container.named_children()
                if any(p.requires_grad for p in m.parameters())]
     counts = Counter(type(m) for _, m in entries)
     most = max(counts.values(), default=0)
-    least = 1 if isinstance(container, nn.ModuleList) else 2
-    return [(key, m) for key, m in entries if most >= least and counts[type(m)] == most]
+    if isinstance(container, nn.ModuleList):
+        return [(key, m) for key, m in entries if counts[type(m)] == most or _own_class(m)]
+    return [(key, m) for key, m in entries if most >= 2 and counts[type(m)] == most]
 
 
 def default_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The blocks (most frequent class; at least twice in an ``nn.Sequential``) of every ``nn.ModuleList`` and
-    ``nn.Sequential`` in ``model``, outermost first.
+    """The blocks of every ``nn.ModuleList`` and ``nn.Sequential`` in ``model`` (module docstring), outermost
+    first: the stacks inside a chosen block are not judged.
 
     Returns:
         ``(qualified name, module)`` pairs in module order; empty when the model has no such stack.
@@ -73,6 +85,34 @@ def default_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
                 chosen.append((full, block))
                 taken.append(full)
     return chosen
+
+
+def eager_modules(model: nn.Module, graphed: Iterable[str]) -> List[str]:
+    """What holds trainable parameters outside the ``graphed`` modules (qualified names), coarsest first.
+
+    The walk goes down only through modules that contain a graphed one; every other child with trainable
+    parameters is named whole (``"model.embed_tokens"``, ``"lm_head"``), once however many names it has (a tied
+    embedding), and so is a trainable parameter held directly by a module on the way (``"pos_emb"``). Returns
+    the names in module order; empty when every trainable parameter is inside a graphed module.
+    """
+    graphed = set(graphed)
+    seen = {id(model.get_submodule(name)) for name in graphed}
+    out: List[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        out.extend(prefix + key for key, p in module.named_parameters(recurse=False) if p.requires_grad)
+        for key, child in module.named_children():
+            full = prefix + key
+            if full in graphed or id(child) in seen:
+                continue
+            seen.add(id(child))
+            if any(g.startswith(full + ".") for g in graphed):
+                visit(full + ".", child)
+            elif any(p.requires_grad for p in child.parameters()):
+                out.append(full)
+
+    visit("", model)
+    return out
 
 
 def no_default_layers_message(model: nn.Module) -> str:

@@ -33,7 +33,7 @@ def _members_match(segment) -> bool:
     modes (a segment launches all of its members: one frozen by ``toggle_optimizer`` since capture makes the
     whole segment run eagerly). Autocast is a property of each call and is checked at the member's call."""
     members = segment.member_runners
-    return members is None or all(m.params_match() and m.modes_match() for m in members[1:])
+    return members is None or all(m.settings.params_match() and m.settings.modes_match() for m in members[1:])
 
 
 class SetReplay:
@@ -86,7 +86,7 @@ class SetReplay:
             out = segment_calls.follow(self, layer, runner, args, kwargs)
             if out is not segment_calls.NOT_HANDED:
                 return out
-        if (runner is None or not runner.signature.matches(args, kwargs) or not runner.settings_match()
+        if (runner is None or not runner.signature.matches(args, kwargs) or not runner.settings.match()
                 or (runner.segment is not None and not follows and not _members_match(runner.segment))):
             if follows:
                 segment_calls.refuse_other_arguments(layer, runner, args, kwargs)
@@ -124,7 +124,7 @@ class SetReplay:
             why = runner.mismatches(args, kwargs)
             if runner.segment is not None and runner.segment.member_runners:
                 why += [f"segment member {m.name!r}: {line}" for m in runner.segment.member_runners[1:]
-                        for line in m.settings_mismatches(autocast=False)]
+                        for line in m.settings.mismatches(autocast=False)]
         if self.options.shape_policy == "error":
             raise GraphSignatureError(
                 f"layer {layer.name!r} was called with arguments its graph was not captured for:\n  "

@@ -13,6 +13,7 @@ from ..ddp import DataParallelEngine, DDPOptions
 from ..graphs import GraphManager, GraphOptions
 from ..graphs.selection import default_layers, no_default_layers_message
 from .driver import TrainingDriver
+from .hf_cache import training_without_cache
 
 
 def apply_graphs(
@@ -32,6 +33,8 @@ def apply_graphs(
         accumulate_into_main_grad: captured backwards add weight gradients into ``param.main_grad`` (the
             data-parallel engine's buffer); ``False`` for eval-only graphs without an engine.
 
+    A transformers model's ``config.use_cache`` is turned off for training (:mod:`.hf_cache`, one warning).
+
     Returns:
         the manager, or ``None`` when ``options.enabled`` is false or when ``options.layers`` is unset and the
         model has no repeated layers to graph (:func:`~cg_lightning.graphs.selection.default_layers`; a
@@ -45,6 +48,8 @@ def apply_graphs(
     if options.layers is None and not default_layers(model):
         warnings.warn(no_default_layers_message(model), UserWarning, stacklevel=2)
         return None
+    if accumulate_into_main_grad:  # training
+        training_without_cache(model)
     return GraphManager(model, options, device, accumulate_into_main_grad=accumulate_into_main_grad)
 
 

@@ -134,7 +134,7 @@ def follow(runner, args: tuple, kwargs: dict, device: torch.device):
             "copy of it, or extra arguments). A segment replays all or none of its layers. Keep the chain "
             "x = layer(x), or set graphs.segments=false for this model."
         )
-    if not runner.settings_match():
+    if not runner.settings.match():
         raise SegmentError(
             f"graphed {name!r} is inside a segment (graphs.segments=true) whose graphs already ran for this pass, "
             "but it was called under other settings than captured:\n  " + "\n  ".join(runner.mismatches(args, kwargs))
