@@ -273,3 +273,24 @@ def test_moe_decoder_layer_under_raise_names_the_library_line_and_suggests_split
     with pytest.raises(GraphCaptureError, match=r"(?s)'model\.model\.layers\.0'.*host synchronization.*"
                                                 r"modeling_qwen2_moe\.py.*on_capture_error='split'"):
         fit_hf(cg_strategy("eager"), moe_eager_experts, steps=3)
+
+
+@pytest.mark.parametrize("case", ["attentions", "router_logits"])
+def test_outputs_collected_inside_layers_under_split_graph_the_parts(case):
+    """Under ``on_capture_error="split"`` a layer holding a submodule whose output the step collects is split:
+    the hooked submodule (the attention, an MoE layer's router gate) becomes a graphed part whose own hook runs
+    around its replay; the attention weights and the router's auxiliary loss come from replays, weights equal."""
+    if case == "attentions":
+        build, forward = (lambda: tiny_llama(attn_implementation="eager")), dict(output_attentions=True)
+        hooked = "model.model.layers.0.self_attn"
+    else:
+        build, forward = (lambda: tiny_qwen2_moe(experts_implementation="eager")), dict(output_router_logits=True)
+        hooked = "model.model.layers.0.mlp.gate"
+    ref, _ = fit_hf("ddp", build, steps=8, forward_kwargs=forward)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got, trainer = fit_hf(cg_strategy("eager", on_capture_error="split"), build, steps=8, forward_kwargs=forward)
+    stats = trainer.strategy.last_graph_stats
+    assert "model.model.layers.0" in stats.split_layers and hooked in stats.graphed_parts, stats
+    assert stats.forward_replays > 0 and stats.fallback_calls == 0, stats
+    assert_same_weights(got, ref)

@@ -171,9 +171,15 @@ def observers_active() -> str:
     layers (:mod:`.observer_hooks`)."""
     return ("cg_lightning: this training step asks transformers to collect outputs from inside the graphed layers "
             "(output_attentions, output_router_logits, or hidden states of a submodule): the graphed layers run "
-            "eagerly in such steps, so that the library collects them; other steps replay the graphs. Request "
-            "those outputs only where you need them (a validation step), or leave the layers out of "
-            "graphs.layers. This warning is given once.")
+            "eagerly in such steps, so that the library collects them; other steps replay the graphs. "
+            "graphs.on_capture_error='split' graphs the layers' parts instead (the hooked submodules among them), "
+            "or request those outputs only where you need them (a validation step). This warning is given once.")
+
+
+def observer_inside(name: str) -> str:
+    """Why a layer is split when transformers collects outputs from inside it (``on_capture_error="split"``)."""
+    return (f"layer {name!r} holds submodules whose outputs transformers collects in this step (output_attentions, "
+            "output_router_logits): their hooks would run once at capture and never at replay")
 
 
 def unmatched_warmup(mismatches: Sequence[str]) -> str:

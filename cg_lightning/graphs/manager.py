@@ -145,6 +145,16 @@ class GraphManager:
         self._observers.update(observer_hooks.observers_inside(layer.module))
         self._failures.refuse_early(layer, at_call)
 
+    def _split_at_active_observers(self) -> bool:
+        """Split every layer with an active observer hook inside (``on_capture_error="split"``): the hooked
+        submodules become graphed parts, whose own hooks run around their replays. Whether any was split."""
+        for layer in list(self.layers):
+            if layer.failure is None and observer_hooks.any_active(observer_hooks.observers_inside(layer.module)):
+                self._failures.failed(layer, guards.GraphCaptureError(guards.observer_inside(layer.name)))
+        self._observers = {hook for layer in self.layers if layer.failure is None
+                           for hook in observer_hooks.observers_inside(layer.module)}
+        return self._split_since(self._global_step)
+
     def _split_since(self, last_recording_step: int) -> bool:
         """Whether a layer was split since the last look; the graph sets and recorded steps, which lack its parts'
         calls, are dropped then: steps up to ``last_recording_step`` record, a later one captures."""
@@ -262,6 +272,9 @@ class GraphManager:
             self._mode, self._recording = StepMode.RECORD, self._warmup_record
             return
         if self._observers and observer_hooks.any_active(self._observers):
+            if self.options.on_capture_error == "split" and self._split_at_active_observers():
+                self._start_of_step(args, kwargs)  # this step records the parts' calls, the next captures
+                return
             self._mode = StepMode.EAGER  # transformers collects outputs from inside the layers in this step
             if not self._observers_warned:
                 self._observers_warned = True
