@@ -51,7 +51,6 @@ from .splitting import LayerSelection
 from .set_capture import SetCapture
 from .set_replay import SetReplay
 from .signature import CallSignature
-from .. import torch_compat
 
 
 class StepMode(enum.Enum):
@@ -129,9 +128,7 @@ class GraphManager:
         # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
         self.grad_ready = None
-        self._observers: Set[Callable] = set()  # transformers' output hooks inside the layers (.observer_hooks)
-        self._observers_warned = False
-        self._hooks_seen = torch_compat.hook_handles_created()
+        self._observers = observer_hooks.ObserverWatch()  # transformers' output hooks inside the layers
         for layer in list(self.layers):
             self._refuse_early(layer, at_call=False)
         self._failures.reselected = False  # nothing was recorded yet
@@ -142,7 +139,7 @@ class GraphManager:
         observer hooks inside the layer."""
         if layer.failure is not None or self.backend is None:
             return
-        self._observers.update(observer_hooks.observers_inside(layer.module))
+        self._observers.note(layer.module)
         self._failures.refuse_early(layer, at_call)
 
     def _split_at_active_observers(self) -> bool:
@@ -151,8 +148,7 @@ class GraphManager:
         for layer in list(self.layers):
             if layer.failure is None and observer_hooks.any_active(observer_hooks.observers_inside(layer.module)):
                 self._failures.failed(layer, guards.GraphCaptureError(guards.observer_inside(layer.name)))
-        self._observers = {hook for layer in self.layers if layer.failure is None
-                           for hook in observer_hooks.observers_inside(layer.module)}
+        self._observers.renote(layer.module for layer in self.layers if layer.failure is None)
         return self._split_since(self._global_step)
 
     def _split_since(self, last_recording_step: int) -> bool:
@@ -258,8 +254,7 @@ class GraphManager:
             self._mode = StepMode.EAGER  # nothing left to capture
             self._failures.report(pending_only=True)  # splits whose parts all run eagerly
             return
-        if torch_compat.hook_handles_created() != self._hooks_seen:  # hooks added since: look at the layers again
-            self._hooks_seen = torch_compat.hook_handles_created()
+        if self._observers.hooks_added():  # hooks added since: look at the layers again
             for layer in list(self.layers):
                 self._refuse_early(layer, at_call=False)
             self._split_since(self._global_step)  # a split here: this step records again
@@ -271,13 +266,13 @@ class GraphManager:
             self._warmup_kinds.append(self._warmup_record)
             self._mode, self._recording = StepMode.RECORD, self._warmup_record
             return
-        if self._observers and observer_hooks.any_active(self._observers):
+        if self._observers.active():
             if self.options.on_capture_error == "split" and self._split_at_active_observers():
                 self._start_of_step(args, kwargs)  # this step records the parts' calls, the next captures
                 return
             self._mode = StepMode.EAGER  # transformers collects outputs from inside the layers in this step
-            if not self._observers_warned:
-                self._observers_warned = True
+            if not self._observers.warned:
+                self._observers.warned = True
                 warnings.warn(guards.observers_active(), stacklevel=4)
             return
         self._end_warmup()

@@ -12,7 +12,7 @@ importing transformers.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List
+from typing import Callable, Iterable, List, Set
 
 import torch
 
@@ -43,3 +43,31 @@ def observers_inside(layer: torch.nn.Module) -> List[Callable]:
 
 def any_active(hooks: Iterable[Callable]) -> bool:
     return any(is_active(hook) for hook in hooks)
+
+
+class ObserverWatch:
+    """The observer hooks inside one graph manager's layers (:meth:`note`, :meth:`renote`), and whether any hook
+    was added in the process since the last look (:meth:`hooks_added`: then the layers are looked at again)."""
+
+    def __init__(self) -> None:
+        self.hooks: Set[Callable] = set()
+        self.warned = False  #: the manager's "runs eagerly in such steps" warning was given
+        self._handles = torch_compat.hook_handles_created()
+
+    def note(self, layer: torch.nn.Module) -> None:
+        self.hooks.update(observers_inside(layer))
+
+    def renote(self, layers: Iterable[torch.nn.Module]) -> None:
+        """Forget the hooks noted so far and note those inside ``layers`` (after a split)."""
+        self.hooks = {hook for layer in layers for hook in observers_inside(layer)}
+
+    def hooks_added(self) -> bool:
+        created = torch_compat.hook_handles_created()
+        if created == self._handles:
+            return False
+        self._handles = created
+        return True
+
+    def active(self) -> bool:
+        """Whether an observer inside the layers collects in this step."""
+        return bool(self.hooks) and any_active(self.hooks)
