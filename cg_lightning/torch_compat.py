@@ -172,6 +172,34 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
+# ------------------------------------------------------------------------- graph memory pools
+def end_allocate_to_pool(device: int, pool) -> bool:
+    """``torch._C._cuda_endAllocateToPool``: the caching allocator stops routing a capture's allocations into ``pool``
+    (a pool id). ``CUDAGraph.capture_end`` does this, except when ``cudaStreamEndCapture`` fails (an invalidated
+    capture); a failed capture is cleaned up with it. Returns ``False``, doing nothing, when nothing was routed into
+    ``pool`` (``capture_end`` got that far) or the installed torch lacks the API (then a later capture into the same
+    pool is refused by the allocator)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return False
+    try:
+        end(device, pool)
+    except RuntimeError:  # "not currently recording to mempool_id"
+        return False
+    return True
+
+
+def release_pool(device: int, pool) -> bool:
+    """``torch._C._cuda_releasePool``: give back one reference to graph memory pool ``pool`` (a pool id), the one a
+    capture takes in ``capture_begin`` and its graph gives back when reset, except for a capture that never ended.
+    Returns ``False`` where the installed torch lacks the API (the pool's memory then stays reserved)."""
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if release is None:
+        return False
+    release(device, pool)
+    return True
+
+
 # ------------------------------------------------------------------------- kernels
 def _foreach_add_fallback(tensors: Sequence[torch.Tensor], others) -> None:
     if isinstance(others, (int, float)):

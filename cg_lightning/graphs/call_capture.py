@@ -203,12 +203,17 @@ class CallCapture:
         if diff and (targets or self._anchors):
             # The recomputation anchors make autograd.grad run every CheckpointWithoutOutput region's
             # backward, even one on no path to the inputs or owned parameters; their grads are dropped.
-            with torch.enable_grad():
-                grads = list(
-                    torch.autograd.grad(
-                        [o for o, _ in diff], targets + self._anchors, [g for _, g in diff], allow_unused=True
-                    )
-                )[: len(targets)]
+            try:
+                with torch.enable_grad():
+                    grads = list(
+                        torch.autograd.grad(
+                            [o for o, _ in diff], targets + self._anchors, [g for _, g in diff], allow_unused=True
+                        )
+                    )[: len(targets)]
+            except BaseException:  # a failed capture leaves the parameters' .grad as they were
+                for p, old in zip(params, stashed):
+                    p.grad = old
+                raise
         n_in = len(targets) - len(params)
         input_grads, wgrads = grads[:n_in], grads[n_in:]
         param_slots: List[Optional[torch.Tensor]] = []
