@@ -174,11 +174,11 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------- graph memory pools
 def end_allocate_to_pool(device: int, pool) -> bool:
-    """``torch._C._cuda_endAllocateToPool``: the caching allocator stops routing a capture's allocations into ``pool``
-    (a pool id). ``CUDAGraph.capture_end`` does this, except when ``cudaStreamEndCapture`` fails (an invalidated
-    capture); a failed capture is cleaned up with it. Returns ``False``, doing nothing, when nothing was routed into
-    ``pool`` (``capture_end`` got that far) or the installed torch lacks the API (then a later capture into the same
-    pool is refused by the allocator)."""
+    """``torch._C._cuda_endAllocateToPool``: the device caching allocator stops routing a capture's allocations into
+    ``pool`` (a pool id); the pinned-host allocator is not touched (no torch API reaches it). ``CUDAGraph.capture_end``
+    does this, except when ``cudaStreamEndCapture`` raises (an invalidated capture). Returns ``False``, doing
+    nothing, when nothing is routed into ``pool`` (``capture_end`` got that far) or the installed torch lacks the API
+    (then a later ``torch.cuda.empty_cache()`` trips the allocator's ``captures_underway.empty()`` assert)."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is None:
         return False
@@ -189,15 +189,14 @@ def end_allocate_to_pool(device: int, pool) -> bool:
     return True
 
 
-def release_pool(device: int, pool) -> bool:
-    """``torch._C._cuda_releasePool``: give back one reference to graph memory pool ``pool`` (a pool id), the one a
-    capture takes in ``capture_begin`` and its graph gives back when reset, except for a capture that never ended.
-    Returns ``False`` where the installed torch lacks the API (the pool's memory then stays reserved)."""
-    release = getattr(torch._C, "_cuda_releasePool", None)
-    if release is None:
-        return False
-    release(device, pool)
-    return True
+def empty_host_cache() -> None:
+    """``torch._C._host_emptyCache``: the pinned-host caching allocator frees its unused blocks and forgets the graph
+    pools whose count fell to zero, so that a later capture can make them again (its ``create_or_incref_pool``
+    asserts ``use_count > 0`` on a pool still listed). ``torch.cuda.graph`` calls it before every capture
+    (``torch/cuda/graphs.py``, torch 2.11 and later). Does nothing where torch lacks it (a CPU-only build)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 # ------------------------------------------------------------------------- kernels

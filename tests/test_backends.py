@@ -5,8 +5,8 @@ Afterwards the graph-building flags are off, ``torch.utils.checkpoint`` is unpat
 the module's ``forward``, parameters, buffers, gradients and the RNG states are those of before the failing step, and
 the same graphed training as before the failure gives the same numbers again, equal to eager training. On CUDA also:
 no stream left capturing, the previous current stream restored, random draws on the GPU work (torch up to 2.11 left
-the default generator in capture mode after an invalidated capture), the failed capture's share of its memory pool
-given back, and later captures (into the same pool too, and a bf16 cuDNN attention after the failure) match eager.
+the default generator in capture mode after an invalidated capture), the allocator routing no capture, and later
+captures (asking for the same pool too, and a bf16 cuDNN attention after the failure) match eager.
 
 Each engine-level case runs on the eager backend (CPU) and, with the ``cuda`` marker, on real CUDA graphs.
 """
@@ -28,7 +28,7 @@ import torch.utils.checkpoint as tcp
 
 import cg_lightning
 from cg_lightning import GraphCaptureError, torch_compat
-from cg_lightning.graphs import backends, checkpointing
+from cg_lightning.graphs import capture_guard, checkpointing
 from cg_lightning.phase import grad_ready_deferred, is_graph_capturing, is_graph_warmup
 from tests import engine_models as em
 from tests.engine_models import BACKENDS, assert_grads_equal, batches, eager_reference, graphed_engine, graphed_run
@@ -127,16 +127,60 @@ def deterministic(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the capture guard itself
+class _TorchAssert(RuntimeError):
+    """One of torch's internal asserts (a crash when raised in a destructor, as in ``~MemPool``)."""
+
+
+class _Allocator:
+    """A caching allocator's graph-pool bookkeeping: counts, routing, and the internal asserts that guard them."""
+
+    def __init__(self, rt, name: str) -> None:
+        self.rt, self.name, self.counts, self.routed = rt, name, {}, set()
+
+    def fail(self, what: str):
+        self.rt.asserts.append(f"{self.name}: {what}")
+        return _TorchAssert(f"{what} INTERNAL ASSERT FAILED ({self.name} allocator)")
+
+    def begin(self, pool) -> None:  # create_or_incref_pool, then the routing check
+        if pool in self.counts:
+            if self.counts[pool] <= 0:
+                raise self.fail("it->second->use_count > 0")
+            self.counts[pool] += 1
+        else:
+            self.counts[pool] = 1
+        if pool in self.routed:
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+        self.routed.add(pool)
+
+    def end(self, pool) -> None:
+        if pool not in self.routed:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.routed.discard(pool)
+
+    def release(self, pool) -> None:
+        self.counts[pool] -= 1
+
+    def empty_cache(self, assert_no_capture: bool) -> None:
+        if assert_no_capture and self.routed:
+            raise self.fail("captures_underway.empty()")  # synchronize_and_free_events
+        self.counts = {k: v for k, v in self.counts.items() if v > 0}  # freeable pools without live blocks
+
+
 class _Torch211:
-    """torch 2.11's ``CUDAGraph`` reduced to what a failed capture can leave in the process
-    (``aten/src/ATen/cuda/CUDAGraph.cpp``: ``capture_begin`` puts the default generator in capture mode and takes a
-    pool reference before its checks; ``capture_end`` stops at a failing ``cudaStreamEndCapture``, before it ends the
-    allocator's routing into the pool and the generator's capture mode; ``reset`` gives the reference back only
-    after a capture that ended), with the allocator calls :mod:`cg_lightning.torch_compat` makes."""
+    """torch 2.11's ``CUDAGraph`` and both caching allocators reduced to what a failed capture can leave in the
+    process (``aten/src/ATen/cuda/CUDAGraph.cpp``, ``c10/cuda/CUDACachingAllocator.cpp``,
+    ``aten/src/ATen/core/CachingHostAllocator.h``): ``capture_begin`` puts the default generator in capture mode,
+    then each allocator takes a pool reference and starts routing (device, then pinned host), then the stream
+    captures; ``capture_end`` stops at a failing ``cudaStreamEndCapture``, before either allocator stops routing and
+    the generator leaves capture mode; ``reset`` gives both references back only after a capture that ended; a
+    pool whose count fell to zero is refused until its allocator's cache is emptied (``torch.cuda.empty_cache``,
+    ``torch._C._host_emptyCache``); emptying the device cache while it routes a capture is an internal assert. Only
+    the device allocator has a Python entry to stop routing (``torch._C._cuda_endAllocateToPool``)."""
 
     def __init__(self, monkeypatch) -> None:
-        self.capturing = self.invalid = self.generator_capturing = False
-        self.routed, self.counts, self.stream, self.handles = set(), collections.Counter(), "default", 0
+        self.capturing = self.invalid = self.generator_capturing = self.fail_instantiate = False
+        self.stream, self.capture_stream, self.handles, self.asserts = "default", None, 0, []
+        self.device, self.host = _Allocator(self, "device"), _Allocator(self, "host")
         rt = self
 
         class Graph:
@@ -145,19 +189,26 @@ class _Torch211:
 
             def capture_begin(self, pool=None):
                 rt.generator_capturing = True
-                rt.counts[pool] += 1
-                if pool in rt.routed:
-                    raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
-                rt.routed.add(pool)
-                rt.capturing, rt.invalid, self.handle = True, False, pool
+                if rt.stream == "default":
+                    raise RuntimeError("CUDA graphs must be captured on a non-default stream.")
+                self.handle = pool if pool is not None else rt.new_handle()
+                rt.device.begin(self.handle)
+                rt.host.begin(self.handle)
+                rt.capturing, rt.invalid, rt.capture_stream = True, False, rt.stream
 
             def capture_end(self):
-                assert rt.capturing and rt.stream == "side"
-                rt.capturing = False
+                if rt.stream != rt.capture_stream:
+                    raise RuntimeError("Capture must end on the same stream it began on.")
+                rt.capturing = False  # cudaStreamEndCapture ends the capture, also when it raises
                 if rt.invalid:
                     raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
-                rt.routed.discard(self.handle)
-                rt.generator_capturing, self.ended = False, True
+                rt.device.end(self.handle)
+                rt.host.end(self.handle)
+                rt.generator_capturing = False
+                if rt.fail_instantiate:  # once: cudaGraphInstantiateWithFlags
+                    rt.fail_instantiate = False
+                    raise RuntimeError("CUDA error: out of memory")
+                self.ended = True
 
             def pool(self):
                 if not self.ended:
@@ -166,16 +217,17 @@ class _Torch211:
 
             def reset(self):
                 if self.ended:
-                    rt.counts[self.handle] -= 1
+                    rt.device.release(self.handle)
+                    rt.host.release(self.handle)
                     self.ended = False
 
         class MemPool:
             def __init__(self):
                 self.id = rt.new_handle()
-                rt.counts[self.id] += 1
+                rt.device.counts[self.id] = 1  # the MemPool object's reference, in the device allocator only
 
             def use_count(self):
-                return rt.counts[self.id]
+                return rt.device.counts[self.id]
 
         @contextlib.contextmanager
         def stream(s):
@@ -186,50 +238,82 @@ class _Torch211:
                 rt.stream = saved
 
         def end_allocate_to_pool(device, handle):
-            found = handle in rt.routed
-            rt.routed.discard(handle)
-            return found
-
-        def release_pool(device, handle):
-            rt.counts[handle] -= 1
+            try:
+                rt.device.end(handle)
+            except RuntimeError:
+                return False
             return True
 
         for name, value in dict(CUDAGraph=Graph, MemPool=MemPool, graph_pool_handle=self.new_handle, stream=stream,
-                                synchronize=lambda: None, empty_cache=lambda: None, current_device=lambda: 0,
-                                is_current_stream_capturing=lambda: rt.capturing).items():
+                                synchronize=lambda: None, current_device=lambda: 0,
+                                empty_cache=lambda: rt.device.empty_cache(assert_no_capture=True),
+                                is_current_stream_capturing=lambda: rt.capturing and rt.stream == rt.capture_stream,
+                                ).items():
             monkeypatch.setattr(torch.cuda, name, value)
         monkeypatch.setattr(torch_compat, "end_allocate_to_pool", end_allocate_to_pool)
-        monkeypatch.setattr(torch_compat, "release_pool", release_pool)
+        monkeypatch.setattr(torch_compat, "empty_host_cache", lambda: rt.host.empty_cache(assert_no_capture=False))
+        monkeypatch.setattr(capture_guard, "_replacements", {})
+        monkeypatch.setattr(capture_guard, "_abandoned", [])
 
     def new_handle(self):
         self.handles += 1
         return (0, self.handles)
 
 
-@pytest.mark.parametrize("failure", ["refused", "invalidated", "invalidated-unnoticed", "stream-left-switched"])
+_HALF_WAY = ("invalidated", "invalidated-unnoticed", "stream-left-switched", "instantiate-failed")
+
+
+@pytest.mark.parametrize("failure", ("refused",) + _HALF_WAY)
 def test_guarded_capture_undoes_what_a_failed_capture_leaves(monkeypatch, failure):
-    """The capture guard's bookkeeping, on a model of torch 2.11's capture (no GPU needed): whether the block raises
-    before CUDA sees anything (``refused``), after CUDA invalidated the capture, or not at all while ``capture_end``
-    fails, and also when the block leaves another stream current: the error propagates unchanged, nothing captures,
-    the stream is the previous one, the generator is out of capture mode, nothing is routed into the pool, the pool's
-    count is its holder's alone, and the next capture into the same pool works and keeps its reference."""
+    """The capture guard's bookkeeping, on a model of torch 2.11's capture (no GPU needed). The block raises before
+    CUDA sees anything (``refused``), after CUDA invalidated the capture, or not at all while ``capture_end`` fails
+    (CUDA's invalidation unnoticed, or a late failure in instantiation), also when the block leaves another stream
+    current: the error propagates unchanged; nothing captures; the stream is the previous one; the generator is out
+    of capture mode; the device allocator routes nothing; no internal assert fires. Two later captures into the same
+    pool, each dropped before the next (its counts fall to zero in between), work: into the pool itself after a
+    refused capture, into one replacement pool after a capture that stopped half-way (the host allocator, which
+    nothing can stop, still routes the first pool), and the replacement goes with the pool object."""
     rt = _Torch211(monkeypatch)
     pool = torch.cuda.MemPool()
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="the block's error" if failure != "invalidated-unnoticed" else
-                       "previous error during capture"):
-        with backends.guarded_capture(graph, "side", pool):
-            rt.invalid = failure != "refused"
+    rt.fail_instantiate = failure == "instantiate-failed"
+    unnoticed = failure in ("invalidated-unnoticed", "instantiate-failed")
+    with pytest.raises(RuntimeError, match="previous error during capture" if failure == "invalidated-unnoticed"
+                       else "out of memory" if failure == "instantiate-failed" else "the block's error"):
+        with capture_guard.guarded_capture(graph, "side", pool):
+            rt.invalid = failure in ("invalidated", "invalidated-unnoticed", "stream-left-switched")
             if failure == "stream-left-switched":
                 rt.stream = "other"
-            if failure != "invalidated-unnoticed":
+            if not unnoticed:
                 raise RuntimeError("the block's error")
     assert not rt.capturing and rt.stream == "default" and not rt.generator_capturing
-    assert not rt.routed and pool.use_count() == 1
-    again = torch.cuda.CUDAGraph()
-    with backends.guarded_capture(again, "side", pool):
-        pass
-    assert not rt.routed and pool.use_count() == 2 and again.pool() == pool.id
+    assert not rt.device.routed and not rt.asserts
+    stuck = failure in ("invalidated", "invalidated-unnoticed", "stream-left-switched")
+    assert rt.host.routed == ({pool.id} if stuck else set())
+    used = []
+    for _ in range(2):
+        again = torch.cuda.CUDAGraph()
+        with capture_guard.guarded_capture(again, "side", pool):
+            pass
+        used.append(again.pool())
+        again.reset()
+    torch.cuda.empty_cache()
+    assert not rt.device.routed and rt.host.routed == ({pool.id} if stuck else set()) and not rt.asserts
+    assert used[0] == used[1] and (used[0] == pool.id) == (failure == "refused")
+    del pool
+    gc.collect()
+    assert capture_guard._replacements == {}
+
+
+def test_guarded_capture_refuses_a_stream_already_capturing(monkeypatch):
+    """A capture stream left capturing is refused before anything begins: no routing, no pool count taken."""
+    rt = _Torch211(monkeypatch)
+    pool = torch.cuda.MemPool()
+    rt.capturing, rt.capture_stream = True, "side"
+    with pytest.raises(RuntimeError, match="already capturing"):
+        with capture_guard.guarded_capture(torch.cuda.CUDAGraph(), "side", pool):
+            pass
+    assert not rt.device.routed and not rt.host.routed and pool.use_count() == 1
 
 
 # ----------------------------------------------------------------------------- graph manager + DDP engine
@@ -314,10 +398,12 @@ def test_failed_make_graphed_callables_leaves_the_process_as_it_was(where, backe
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("how", ["item", "device_sync", "cpu_copy"])
-def test_cuda_failed_capture_releases_stream_generator_and_pool(how, deterministic):
+def test_cuda_failed_capture_leaves_stream_generator_and_pool_usable(how, deterministic):
     """A capture that fails (refused by the host-sync check: ``item``; invalidated by CUDA: ``device_sync``,
-    ``cpu_copy``) into a pool the test holds: afterwards nothing captures, the GPU draws random numbers, the pool's
-    count is the holder's alone, and a model graphed into the same pool trains bit for bit like eager."""
+    ``cpu_copy``) into a pool the test holds: afterwards nothing captures, the previous stream is current, the GPU
+    draws random numbers, and models graphed into the same pool one after the other (each one's graphs dropped
+    before the next, so the pool's counts fall to zero in between) train bit for bit like eager; the allocator's
+    cache empties (it routes no capture)."""
     pool = torch.cuda.MemPool()
     bad = _HostReadLayer(how=how).cuda()
     sample = torch.randn(8, 16, device="cuda", requires_grad=True)
@@ -327,9 +413,12 @@ def test_cuda_failed_capture_releases_stream_generator_and_pool(how, determinist
     del info
     gc.collect()
     _assert_as_before(snap, bad, "cuda")
-    assert pool.use_count() == 1
-    graphed = _train(_mlp("cuda"), "cuda", True, pool=pool)
-    _assert_params_equal(graphed, _train(_mlp("cuda"), "cuda", False))
+    eager = _train(_mlp("cuda"), "cuda", False)
+    for _ in range(2):
+        _assert_params_equal(_train(_mlp("cuda"), "cuda", True, pool=pool), eager)
+        gc.collect()
+    torch.cuda.empty_cache()
+    assert not torch.cuda.is_current_stream_capturing()
 
 
 # ----------------------------------------------------------------------------- many captures in one process
@@ -406,3 +495,5 @@ def test_cuda_many_make_graphed_callables_in_one_process(deterministic):
         qkv = {n: torch.empty(2, 4, 128, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for n in "qkv"}
         _against_eager(_CudnnAttention(), {}, qkv, rtol=1.6e-2, atol=1e-5)
     _against_eager(_KeywordMLP().to(dev), {"x": x}, {"scale": scale}, rtol=0, atol=0)
+    gc.collect()
+    torch.cuda.empty_cache()  # the allocator routes no capture (else its captures_underway.empty() assert fires)

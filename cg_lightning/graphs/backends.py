@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import warnings
 from typing import Callable, Iterator, List, Optional
 
 import torch
 
-from .. import torch_compat
+from .capture_guard import guarded_capture
 
 Body = Callable[[], List[Optional[torch.Tensor]]]
 
@@ -101,10 +100,10 @@ class CudaBackend:
         self.stream = torch.cuda.Stream(device=device)
 
     def new_pool(self):
-        """A graph memory pool: a ``torch.cuda.MemPool``, whose object holds a reference to the pool for as long as
-        it lives, so the pool never runs out of users while graphs are dropped and captured again (the allocator
-        refuses a new capture into a pool whose count fell to zero while its memory is still in use), and a failed
-        capture's reference can be given back (:func:`abandon_capture`)."""
+        """A graph memory pool: a ``torch.cuda.MemPool``, whose object holds a reference to the pool in the device
+        allocator for as long as it lives, so the pool never runs out of users while graphs are dropped and captured
+        again (the allocator refuses a capture into a pool whose count fell to zero while its memory is still in
+        use: ``create_or_incref_pool`` in ``c10/cuda/CUDACachingAllocator.cpp``)."""
         with torch.cuda.device(self.device):
             return torch.cuda.MemPool()
 
@@ -144,102 +143,6 @@ class CudaBackend:
         with self.capture_region(pool) as graph:
             outs = body()
         return _CudaGraph(graph, _detached(outs))
-
-
-@contextlib.contextmanager
-def guarded_capture(graph: "torch.cuda.CUDAGraph", stream: "torch.cuda.Stream", pool=None) -> Iterator[None]:
-    """Capture the block's work on ``stream`` (not the default stream) into ``graph``, as ``torch.cuda.graph``
-    does: synchronize, empty the allocator's cache, ``capture_begin``, the block, ``capture_end``. ``pool``: a
-    ``torch.cuda.MemPool``, a pool handle (``torch.cuda.graph_pool_handle()``, ``other_graph.pool()``) or ``None``
-    (a pool of its own).
-
-    Unlike ``torch.cuda.graph``, an exception in the block or in ``capture_end`` leaves the process as it was
-    before the capture (:func:`abandon_capture`): the capture ended, ``stream`` capturing nothing, the previous
-    current stream restored, the CUDA generator usable outside capture, the allocator no longer routing into
-    ``pool``, and ``graph`` reset. The exception propagates unchanged.
-    """
-    handle = pool_handle(pool)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    with torch.cuda.stream(stream):
-        try:
-            graph.capture_begin(pool=handle)
-        except BaseException:
-            _end_rng_capture_mode()
-            raise
-        try:
-            yield
-            graph.capture_end()
-        except BaseException:
-            with torch.cuda.stream(stream):  # the block may have left another stream current
-                abandon_capture(graph, pool, handle)
-            raise
-
-
-def pool_handle(pool):
-    """The allocator's id of ``pool`` (a ``torch.cuda.MemPool`` or a handle); a fresh handle for ``None``, so
-    that a failed capture's pool is always known."""
-    if pool is None:
-        return torch.cuda.graph_pool_handle()
-    return pool.id if isinstance(pool, torch.cuda.MemPool) else pool
-
-
-def abandon_capture(graph: "torch.cuda.CUDAGraph", pool, handle) -> None:
-    """End a capture whose block or ``capture_end`` raised, on its stream and device, and undo what it left.
-
-    An intact capture (the error was raised before CUDA saw anything illegal) ends normally, so the allocator and
-    the generator are left as after any capture. An invalidated one (a host synchronization reached CUDA) makes
-    ``capture_end`` stop at ``cudaStreamEndCapture``, which still ends the stream's capture but skips the rest of
-    torch's bookkeeping (``aten/src/ATen/cuda/CUDAGraph.cpp``, ``CUDAGraph::capture_end``): the allocator keeps
-    routing into the pool (a later capture into it is refused: "beginAllocateToPool: already recording to
-    mempool_id"), the pool keeps the capture's reference (its memory is never freed), and up to torch 2.11 the
-    default CUDA generator stays in capture mode (every later random draw outside capture raises "Offset
-    increment outside graph capture encountered unexpectedly"; torch later keeps that state per capture,
-    pytorch/pytorch#176752). Each is undone here; the graph is reset in both cases.
-    """
-    if torch.cuda.is_current_stream_capturing():
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "The CUDA Graph is empty" when it failed before any kernel
-                graph.capture_end()
-        except Exception:  # noqa: BLE001 - an invalidated capture: handled below
-            pass
-    if not _capture_ended(graph):
-        device = torch.cuda.current_device()
-        torch_compat.end_allocate_to_pool(device, handle)
-        use_count = getattr(pool, "use_count", None)
-        if isinstance(pool, torch.cuda.MemPool) and use_count is not None and use_count() > 1:
-            # the capture's reference; the MemPool object's own keeps the count above zero
-            torch_compat.release_pool(device, handle)
-        _end_rng_capture_mode()
-    graph.reset()
-
-
-def _capture_ended(graph: "torch.cuda.CUDAGraph") -> bool:
-    """Whether ``capture_end`` got as far as owning the pool reference (``graph.pool()`` refuses otherwise)."""
-    try:
-        graph.pool()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _end_rng_capture_mode() -> None:
-    """Take the current device's default CUDA generator out of capture mode, which torch up to 2.11 enters in
-    ``capture_begin`` and leaves only in a ``capture_end`` that succeeds: one empty capture that ends normally (its
-    ``capture_begin`` registers the same generator state, its ``capture_end`` clears the mode, and graphs captured
-    earlier keep sharing that state). Harmless where the state is kept per capture. Call it on a non-default
-    stream, outside any capture."""
-    try:
-        repair = torch.cuda.CUDAGraph()
-        repair.capture_begin(pool=torch.cuda.graph_pool_handle())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
-            repair.capture_end()
-        repair.reset()
-    except Exception as exc:  # noqa: BLE001 - never hide the capture's own error
-        warnings.warn(f"cg_lightning: could not take the CUDA generator out of capture mode after a failed "
-                      f"capture ({type(exc).__name__}: {exc}); random draws on the GPU may fail", stacklevel=3)
 
 
 @contextlib.contextmanager
