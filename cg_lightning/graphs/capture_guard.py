@@ -63,13 +63,13 @@ def capture_pool(pool) -> tuple:
 
 
 def _retire(handle, pool) -> None:
-    """Captures asking for ``handle`` go to a replacement pool from now on (dropped with ``pool`` when that is the
-    ``torch.cuda.MemPool`` object of ``handle``)."""
+    """Captures asking for ``handle`` go to a replacement pool from now on. When ``pool`` (what the capture asked
+    for) is a ``torch.cuda.MemPool``, that entry goes with it: nothing can ask for ``handle`` any more then."""
     key = _key(handle)
     if key in _replacements:
         return
     _replacements[key] = None
-    if isinstance(pool, torch.cuda.MemPool) and _key(pool.id) == key:
+    if isinstance(pool, torch.cuda.MemPool):
         try:
             weakref.finalize(pool, _replacements.pop, key, None)
         except TypeError:  # not weakly referenceable: the replacement lives as long as the process
