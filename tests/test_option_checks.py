@@ -104,7 +104,7 @@ VALID = {
     "graphs": {"enabled": [False], "layers": [None, ["model.blocks.*"], ("a.*", "b")], "warmup_steps": [0, 5],
                "num_warmup_iters": [1, 3], "backend": ["auto", "cuda", "eager"],
                "shape_policy": ["eager", "error", "recapture"], "max_graph_sets": [1, 8],
-               "on_capture_error": ["raise", "eager"], "capture_optimizer": [True], "cached_optimizer_step": [False],
+               "on_capture_error": ["raise", "eager", "split"], "capture_optimizer": [True], "cached_optimizer_step": [False],
                "segments": [False], "capture_eval": [True], "direct_grad_ready": [False]},
     "ddp": {"bucket_size_mb": [0.5, 4], "average": [False], "grad_dtype": [None, "float32", "bfloat16", "float16"],
             "timeout_s": [1, 2.5], "check_grad_ready": [False], "broadcast_buffers": [False],

@@ -5,8 +5,9 @@ T5's encoder blocks return ``(hidden_states, position_bias, None)``: the ``None`
 encoder) is kept from the capture and put back around the replayed tensors (``cg_lightning/graphs/outputs.py``);
 so are the fields a layer's ``ModelOutput`` leaves at ``None`` (engine level, against plain PyTorch). The
 library's activation checkpointing and its output-capturing hooks (``output_hidden_states``,
-``output_attentions``, ``output_router_logits``) train under the strategy too. CI runs this file on the lowest
-``transformers`` the package supports and on the newest.
+``output_attentions``, ``output_router_logits``) train under the strategy too, and so does a mixture-of-experts
+model under ``graphs.on_capture_error="split"`` (its layers' parts graphed, the experts eager). CI runs this
+file on the lowest ``transformers`` the package supports and on the newest.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from lightning.pytorch import LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
+from cg_lightning import GraphCaptureError
 from tests.engine_models import assert_grads_equal, batches, graphed_engine
 from tests.helpers import WARMUP, cg_strategy, make_trainer, state_rel_diff
 from tests.hf_models import assert_same_weights, fit_hf, tiny_llama, tiny_qwen2_moe
@@ -236,4 +238,59 @@ def test_outputs_collected_inside_layers_run_those_steps_eagerly(case):
     said = [m for m in messages if "collect outputs from inside the graphed layers" in m]
     assert len(said) == 1, messages
     assert stats.forward_replays == 0 and stats.fallback_calls > 0, stats
+    assert_same_weights(got, ref)
+
+
+def moe_eager_experts():
+    """:func:`tiny_qwen2_moe` (no cache, router auxiliary loss off) with the loop over experts (``one_hot``,
+    ``nonzero``, ``where``: host syncs)."""
+    return tiny_qwen2_moe(experts_implementation="eager")
+
+
+def test_moe_decoder_layers_split_attention_and_norms_graphed_experts_eager():
+    """``on_capture_error="split"``: each decoder layer fails whole (the experts' host sync), is split, its MoE block
+    fails and is split too; attention, norms, router and shared expert are graphed, the experts run eagerly.
+    Steps 0, 1 warm up, 2 and 3 record again after each split, 4 captures; weights equal ``"ddp"``'s bit for bit."""
+    ref, _ = fit_hf("ddp", moe_eager_experts, steps=7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, trainer = fit_hf(cg_strategy("eager", on_capture_error="split"), moe_eager_experts, steps=7)
+    assert_same_weights(got, ref)
+    stats = trainer.strategy.last_graph_stats
+    layers = ["model.model.layers.0", "model.model.layers.1"]
+    parts = ["self_attn", "mlp.gate", "mlp.shared_expert", "mlp.shared_expert_gate", "input_layernorm",
+             "post_attention_layernorm"]
+    assert stats.graphed_parts == [f"{layer}.{part}" for layer in layers for part in parts]
+    assert stats.captured_runners == len(stats.graphed_parts) and stats.forward_replays == 3 * 12  # steps 4-6
+    assert stats.failed_layers == [f"{layer}.mlp.experts" for layer in layers]
+    assert stats.split_layers == layers + [f"{layer}.mlp" for layer in layers]
+    messages = [str(w.message) for w in caught if "could not be captured whole" in str(w.message)]
+    assert len(messages) == 1 and "layers 'model.model.layers.0', 'model.model.layers.1'" in messages[0], messages
+    assert "modeling_qwen2_moe.py" in messages[0] and "Eager: mlp.experts (host synchronization" in messages[0]
+
+
+def test_moe_decoder_layer_under_raise_names_the_library_line_and_suggests_split():
+    with pytest.raises(GraphCaptureError, match=r"(?s)'model\.model\.layers\.0'.*host synchronization.*"
+                                                r"modeling_qwen2_moe\.py.*on_capture_error='split'"):
+        fit_hf(cg_strategy("eager"), moe_eager_experts, steps=3)
+
+
+@pytest.mark.parametrize("case", ["attentions", "router_logits"])
+def test_outputs_collected_inside_layers_under_split_graph_the_parts(case):
+    """Under ``on_capture_error="split"`` a layer holding a submodule whose output the step collects is split:
+    the hooked submodule (the attention, an MoE layer's router gate) becomes a graphed part whose own hook runs
+    around its replay; the attention weights and the router's auxiliary loss come from replays, weights equal."""
+    if case == "attentions":
+        build, forward = (lambda: tiny_llama(attn_implementation="eager")), dict(output_attentions=True)
+        hooked = "model.model.layers.0.self_attn"
+    else:
+        build, forward = (lambda: tiny_qwen2_moe(experts_implementation="eager")), dict(output_router_logits=True)
+        hooked = "model.model.layers.0.mlp.gate"
+    ref, _ = fit_hf("ddp", build, steps=8, forward_kwargs=forward)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got, trainer = fit_hf(cg_strategy("eager", on_capture_error="split"), build, steps=8, forward_kwargs=forward)
+    stats = trainer.strategy.last_graph_stats
+    assert "model.model.layers.0" in stats.split_layers and hooked in stats.graphed_parts, stats
+    assert stats.forward_replays > 0 and stats.fallback_calls == 0, stats
     assert_same_weights(got, ref)

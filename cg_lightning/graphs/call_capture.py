@@ -33,6 +33,7 @@ from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regio
 from .discovery import params_to_backprop, reachable_leaves
 from .guards import GraphCaptureError
 from .host_sync import refuse_host_sync
+from .input_pieces import InputPieces, piece_inputs
 from .outputs import OutputStructureError, split_outputs
 from .replay_plan import ReplayPlan, foreign_in
 from .routing import Routing
@@ -56,6 +57,10 @@ class CallCapture:
         self._recording: Optional[list] = None
         self._anchors: List[torch.Tensor] = []
         self._anchor: Optional[torch.Tensor] = None
+        #: per input, the keys of its gradient pieces in the order autograd adds them (:mod:`.input_pieces`),
+        #: fixed by the backward capture when ``input_pieces`` is on; the input of every extra piece slot
+        self._piece_layout: Optional[list] = None
+        self.piece_inputs: List[int] = []
 
     def _run_module(self, inputs: Sequence[torch.Tensor]):
         args, kwargs = self.signature.rebuild(inputs)
@@ -64,7 +69,8 @@ class CallCapture:
         try:
             return split_outputs(out)
         except OutputStructureError as exc:
-            raise GraphCaptureError(f"layer {self.name!r} {exc}. Exclude it from graphs.layers.") from None
+            raise GraphCaptureError(f"layer {self.name!r} {exc}. Exclude it from graphs.layers, or "
+                                    f"{guards.SPLIT_HINT}.") from None
 
     def _grad_targets(self, params: Sequence[torch.nn.Parameter], inputs: Sequence[torch.Tensor]):
         return [t for t in inputs if t.requires_grad] + list(params)
@@ -200,11 +206,14 @@ class CallCapture:
         diff = [(o, g) for o, g in zip(outs, self.static_grad_outputs) if g is not None]
         targets = self._grad_targets(params, self.static_inputs)
         grads: List[Optional[torch.Tensor]] = [None] * len(targets)
+        pieces = None
         if diff and (targets or self._anchors):
+            if self.input_pieces:
+                pieces = InputPieces([o for o, _ in diff], self.static_inputs, self._piece_layout)
             # The recomputation anchors make autograd.grad run every CheckpointWithoutOutput region's
             # backward, even one on no path to the inputs or owned parameters; their grads are dropped.
             try:
-                with torch.enable_grad():
+                with torch.enable_grad(), pieces if pieces is not None else contextlib.nullcontext():
                     grads = list(
                         torch.autograd.grad(
                             [o for o, _ in diff], targets + self._anchors, [g for _, g in diff], allow_unused=True
@@ -216,6 +225,11 @@ class CallCapture:
                 raise
         n_in = len(targets) - len(params)
         input_grads, wgrads = grads[:n_in], grads[n_in:]
+        if pieces is not None:  # each input's first piece, then the further ones (.input_pieces)
+            self._piece_layout, self.piece_inputs = pieces.layout, piece_inputs(pieces.layout)
+            it = iter(input_grads)
+            firsts, extras = pieces.split([next(it) if t.requires_grad else None for t in self.static_inputs])
+            input_grads = [g for g, t in zip(firsts, self.static_inputs) if t.requires_grad] + extras
         param_slots: List[Optional[torch.Tensor]] = []
         into_main_grad = set(map(id, routing.into_main_grad))
         edges = set(map(id, routing.edges))

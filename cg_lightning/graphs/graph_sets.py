@@ -81,7 +81,9 @@ class GraphStats:
 
     ``captured_runners`` counts runners over all graph sets; ``graph_sets`` the sets, ``captures`` the
     capture events; ``pool_bytes`` the device memory allocated by captures (CUDA; 0 on CPU);
-    ``failed_layers`` the layers that run eagerly because their capture failed; ``segments`` the chains
+    ``failed_layers`` the layers that run eagerly because their capture failed; ``split_layers`` those replaced
+    by their parts (``graphs.on_capture_error="split"``; their own forward runs eagerly) and ``graphed_parts``
+    the parts of those that were captured (by qualified name); ``segments`` the chains
     captured as one forward and one backward graph (``graphs.segments``); ``eval_graphs`` and
     ``eval_replays`` the forward-only graphs of eval-mode calls and their replays (``graphs.capture_eval``;
     their pool is counted in ``pool_bytes``, their warmup calls in ``eager_calls``).
@@ -97,6 +99,8 @@ class GraphStats:
     captures: int = 0
     pool_bytes: int = 0
     failed_layers: List[str] = field(default_factory=list)
+    split_layers: List[str] = field(default_factory=list)
+    graphed_parts: List[str] = field(default_factory=list)
     segments: int = 0  # chains of two or more calls captured as one forward and one backward graph
     eval_graphs: int = 0  # forward-only graphs of eval-mode calls (graphs.capture_eval)
     direct_ready_params: int = 0  # parameters the replays report ready themselves (graphs.direct_grad_ready)

@@ -30,8 +30,9 @@ def refuse_capture_only_hooks(name: str, module: torch.nn.Module) -> None:
             f"could not capture layer {name!r}: {', '.join(hooks)} would run once at capture and never "
             "at replay. Remove those hooks, register module hooks on the graphed layer itself, act on "
             "param.grad after the backward instead of in a parameter's gradient hook (Lightning's "
-            "on_before_optimizer_step or on_after_backward, or after accelerator.backward), or leave the layer "
-            "out of graphs.layers."
+            "on_before_optimizer_step or on_after_backward, or after accelerator.backward), leave the layer "
+            "out of graphs.layers, or set graphs.on_capture_error='split' (the hooked submodules are then graphed "
+            "with their hooks around the replay, or run eagerly)."
         )
 
 
@@ -110,13 +111,26 @@ def describe_autocast(state: tuple) -> str:
     return "enabled for " + ", ".join(on) if on else "disabled"
 
 
+#: the remedy every capture failure names (a mixture-of-experts layer's expert dispatch is the usual case)
+SPLIT_HINT = ("set graphs.on_capture_error='split' to graph the layer's parts and run only the parts that fail "
+              "eagerly ('eager' runs the whole layer eagerly)")
+
+
+def failure_cause(exc: BaseException) -> str:
+    """The first line of what made a capture fail: the host synchronization (operation and source line) when
+    that was the cause, else ``exc``'s own first line."""
+    inner = exc.__cause__ if isinstance(exc.__cause__, HostSyncError) else exc
+    text = str(inner).strip()
+    return text.splitlines()[0] if text else type(inner).__name__
+
+
 def capture_failure(name: str, what: str, exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, HostSyncError):
         return (
             f"could not capture the {what} of layer {name!r}: {text}. A graph replays device work only; the "
             "host would never see that value again. Compute it outside the layer (or keep it on the device), "
-            "or leave the layer out of graphs.layers (graphs.on_capture_error='eager' runs it eagerly)."
+            f"leave the layer out of graphs.layers, or {SPLIT_HINT}."
         )
     hints = []
     low = text.lower()
@@ -131,7 +145,7 @@ def capture_failure(name: str, what: str, exc: BaseException) -> str:
         hints.append("a host synchronization, data-dependent control flow, a module hook or a CPU tensor")
     return (
         f"could not capture the {what} of layer {name!r}: {type(exc).__name__}: {text}. Likely cause: "
-        f"{hints[0]}. Remove it from the layer's forward, or leave the layer out of graphs.layers."
+        f"{hints[0]}. Remove it from the layer's forward, leave the layer out of graphs.layers, or {SPLIT_HINT}."
     )
 
 
@@ -157,9 +171,15 @@ def observers_active() -> str:
     layers (:mod:`.observer_hooks`)."""
     return ("cg_lightning: this training step asks transformers to collect outputs from inside the graphed layers "
             "(output_attentions, output_router_logits, or hidden states of a submodule): the graphed layers run "
-            "eagerly in such steps, so that the library collects them; other steps replay the graphs. Request "
-            "those outputs only where you need them (a validation step), or leave the layers out of "
-            "graphs.layers. This warning is given once.")
+            "eagerly in such steps, so that the library collects them; other steps replay the graphs. "
+            "graphs.on_capture_error='split' graphs the layers' parts instead (the hooked submodules among them), "
+            "or request those outputs only where you need them (a validation step). This warning is given once.")
+
+
+def observer_inside(name: str) -> str:
+    """Why a layer is split when transformers collects outputs from inside it (``on_capture_error="split"``)."""
+    return (f"layer {name!r} holds submodules whose outputs transformers collects in this step (output_attentions, "
+            "output_router_logits): their hooks would run once at capture and never at replay")
 
 
 def unmatched_warmup(mismatches: Sequence[str]) -> str:
@@ -169,3 +189,10 @@ def unmatched_warmup(mismatches: Sequence[str]) -> str:
     return ("cg_lightning: nothing is graphed: the first graphed call of this step differs from the one recorded in "
             "the warmup steps, so the recorded calls cannot be captured and the layers run eagerly:\n  "
             + "\n  ".join(mismatches) + f"\n{hint}".rstrip() + " This warning is given once.")
+
+
+def cache_full(limit: int, signature: str) -> str:
+    """The warning given once when ``graphs.max_graph_sets`` (``limit``) sets exist and a step with another
+    argument ``signature`` (described) runs eagerly."""
+    return (f"cg_lightning: graphs.max_graph_sets={limit} graph sets exist; steps with other argument signatures "
+            f"(this one: {signature}) run eagerly. Further such steps are not reported.")

@@ -17,7 +17,9 @@ Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of ever
   Under ``"recapture"`` a step whose first call matches no set runs eagerly and is recorded; the next
   step with that signature captures it as another set (same pool), up to ``max_graph_sets``.
 * A layer whose capture raises :class:`GraphCaptureError` follows ``on_capture_error``: ``"eager"``
-  drops it from the set (it runs eagerly from then on) and captures the others without it.
+  drops it from the set (it runs eagerly from then on) and captures the others without it; ``"split"``
+  replaces it by its parts (:mod:`.splitting`), drops every graph set and recorded step (they hold no calls of
+  the parts), records the rest of the step again and captures at the next one.
 
 Calls in eval mode or under ``no_grad`` run eagerly, or, with ``capture_eval``, eval-mode calls without
 autograd replay forward-only graphs kept apart from the training graphs (:mod:`.eval_graphs`).
@@ -38,12 +40,14 @@ import torch.nn as nn
 from . import guards, observer_hooks, outer_checkpoint
 from .backends import make_backend
 from .eval_graphs import EvalGraphs
+from .failures import CaptureFailures
 from .graph_sets import GraphSetCache, GraphStats, describe
 from .options import GraphOptions
 from .recording import StepRecord, record_call
 from .runner import LayerGraphRunner
 from .segments import segment_ends
 from .selection import GraphedLayer, select_layers
+from .splitting import LayerSelection
 from .set_capture import SetCapture
 from .set_replay import SetReplay
 from .signature import CallSignature
@@ -88,20 +92,16 @@ class GraphManager:
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self.backend = make_backend(options.backend, device) if options.enabled else None
         self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
-        self.layers: List[GraphedLayer] = []
-        self._held: List[nn.Module] = []  # layers whose checkpoint around __call__ moved inside (.outer_checkpoint)
-        for name, module in select_layers(model, options.layers):
-            forward = module.forward
-            if outer_checkpoint.checkpoints_around_call(module):  # transformers' checkpointing layers
-                forward = outer_checkpoint.checkpointed_forward(module, forward)
-                self._held.append(module)
-            layer = GraphedLayer(name, module, forward)
-            module.forward = self._make_dispatch(layer)
-            self.layers.append(layer)
+        #: the selected layers and, after splits (on_capture_error="split"), their parts (:mod:`.splitting`)
+        self.selection = LayerSelection(select_layers(model, options.layers), self._make_dispatch)
+        #: the layers dispatched, the selection's own list (a split inserts the parts; the split one runs eagerly)
+        self.layers: List[GraphedLayer] = self.selection.layers
         self.cache = GraphSetCache(options.max_graph_sets)
-        #: the capture half: runners, their shared pool, failed layers (:mod:`.set_capture`)
+        #: graphs.on_capture_error: layers run eagerly or split into their parts (:mod:`.failures`)
+        self._failures = CaptureFailures(options, self.selection, self.cache, self.stats)
+        #: the capture half: runners, their shared pool (:mod:`.set_capture`)
         self._sets = SetCapture(model, options, self.backend, device, self.cache, self.stats,
-                                accumulate_into_main_grad)
+                                accumulate_into_main_grad, on_failed=self._failures.failed)
         #: the replay half: the step's graph set, shape policy, direct-ready confirmation (:mod:`.set_replay`)
         self._replay = SetReplay(options, self.stats, device)
         self.eval_graphs: Optional[EvalGraphs] = None  # built at the first eval call with capture_eval on
@@ -132,24 +132,38 @@ class GraphManager:
         self._observers: Set[Callable] = set()  # transformers' output hooks inside the layers (.observer_hooks)
         self._observers_warned = False
         self._hooks_seen = torch_compat.hook_handles_created()
-        for layer in self.layers:
+        for layer in list(self.layers):
             self._refuse_early(layer, at_call=False)
+        self._failures.reselected = False  # nothing was recorded yet
 
     def _refuse_early(self, layer: GraphedLayer, at_call: bool) -> None:
-        """What capture would refuse and can be seen before it, refused now (``on_capture_error``): hooks in the
-        layer (at setup and at every recorded call), an enclosing non-reentrant checkpoint (at every recorded
-        call)."""
+        """What capture would refuse and can be seen before it, refused now under ``on_capture_error`` (a layer
+        is split under ``"split"``: :meth:`~.failures.CaptureFailures.refuse_early`); notes the transformers
+        observer hooks inside the layer."""
         if layer.failure is not None or self.backend is None:
             return
         self._observers.update(observer_hooks.observers_inside(layer.module))
-        try:
-            guards.refuse_capture_only_hooks(layer.name, layer.module)
-            if at_call:
-                guards.refuse_saved_tensor_hooks(layer.name)
-        except guards.GraphCaptureError as exc:
-            if self.options.on_capture_error != "eager":
-                raise
-            self._sets.mark_failed(layer, exc)
+        self._failures.refuse_early(layer, at_call)
+
+    def _split_at_active_observers(self) -> bool:
+        """Split every layer with an active observer hook inside (``on_capture_error="split"``): the hooked
+        submodules become graphed parts, whose own hooks run around their replays. Whether any was split."""
+        for layer in list(self.layers):
+            if layer.failure is None and observer_hooks.any_active(observer_hooks.observers_inside(layer.module)):
+                self._failures.failed(layer, guards.GraphCaptureError(guards.observer_inside(layer.name)))
+        self._observers = {hook for layer in self.layers if layer.failure is None
+                           for hook in observer_hooks.observers_inside(layer.module)}
+        return self._split_since(self._global_step)
+
+    def _split_since(self, last_recording_step: int) -> bool:
+        """Whether a layer was split since the last look; the graph sets and recorded steps, which lack its parts'
+        calls, are dropped then: steps up to ``last_recording_step`` record, a later one captures."""
+        if not self._failures.take_split(last_recording_step):
+            return False
+        self._warmup_record, self._warmup_kinds, self._recording = None, [], None
+        self._replay.graph_set = None
+        self._sets.count()
+        return True
 
     def bind_grad_ready(self, reporter) -> None:
         """Hand this manager the grad-ready reporter of the data-parallel engine that owns the model's
@@ -181,7 +195,7 @@ class GraphManager:
             self._start_step = global_step
         self.cache.limit = self.options.max_graph_sets
         self._global_step = global_step
-        for module in self._held:
+        for module in self.selection.held:
             outer_checkpoint.hold(module)
         self._replay.begin_step()
         self._calls = {}
@@ -216,7 +230,8 @@ class GraphManager:
     def capture_due(self) -> bool:
         """Warmup is over (the capture happens at the first graphed call of a step from then on)."""
         start = self._start_step if self._start_step is not None else 0
-        return self.backend is not None and self._global_step >= start + max(1, self.options.warmup_steps)
+        return (self.backend is not None and self._global_step >= start + max(1, self.options.warmup_steps)
+                and self._global_step > self._failures.capture_after)
 
     def _end_warmup(self) -> None:
         """Warmup is over: the last warmup record of each lead signature waits for the first micro-batch of its
@@ -229,12 +244,8 @@ class GraphManager:
                     self.cache.pending.append(record)
 
     def remove(self) -> None:
-        """Restore every layer's original ``forward`` and drop the graphs."""
-        for layer in self.layers:
-            if layer.module.__dict__.get("forward") is not None:
-                del layer.module.forward
-        for module in self._held:
-            outer_checkpoint.release(module)
+        """Restore every layer's original ``forward`` (parts of split layers included) and drop the graphs."""
+        self.selection.remove()
         self.cache.clear()
         self._warmup_record = None
         self._warmup_kinds = []
@@ -245,11 +256,13 @@ class GraphManager:
         """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""
         if all(layer.failure is not None for layer in self.layers):
             self._mode = StepMode.EAGER  # nothing left to capture
+            self._failures.report(pending_only=True)  # splits whose parts all run eagerly
             return
         if torch_compat.hook_handles_created() != self._hooks_seen:  # hooks added since: look at the layers again
             self._hooks_seen = torch_compat.hook_handles_created()
-            for layer in self.layers:
+            for layer in list(self.layers):
                 self._refuse_early(layer, at_call=False)
+            self._split_since(self._global_step)  # a split here: this step records again
         if not self.capture_due or (not self.cache.sets and not self.cache.pending and not self._warmup_record):
             self._warmup_record = StepRecord(CallSignature(args, kwargs))
             if not self.multi_pass:  # one kind of micro-batch; others follow shape_policy
@@ -259,6 +272,9 @@ class GraphManager:
             self._mode, self._recording = StepMode.RECORD, self._warmup_record
             return
         if self._observers and observer_hooks.any_active(self._observers):
+            if self.options.on_capture_error == "split" and self._split_at_active_observers():
+                self._start_of_step(args, kwargs)  # this step records the parts' calls, the next captures
+                return
             self._mode = StepMode.EAGER  # transformers collects outputs from inside the layers in this step
             if not self._observers_warned:
                 self._observers_warned = True
@@ -273,6 +289,10 @@ class GraphManager:
         pending = self.cache.pop_pending(args, kwargs)  # a kind seen in warmup, or recorded under "recapture"
         if pending is not None:
             replay.graph_set = self._sets.capture(pending, self.grad_ready, self._segment_ends)
+            if self._split_since(self._global_step):  # this step records the parts' calls, the next captures
+                self._start_of_step(args, kwargs)
+                return
+            self._failures.report()
             if replay.graph_set is None:
                 self._mode = StepMode.EAGER
             return
@@ -294,12 +314,7 @@ class GraphManager:
             self._mode = StepMode.EAGER
             if not self._cache_full_warned:
                 self._cache_full_warned = True
-                warnings.warn(
-                    f"cg_lightning: graphs.max_graph_sets={self.cache.limit} graph sets exist; steps with other "
-                    f"argument signatures (this one: {describe(CallSignature(args, kwargs))}) run eagerly. Further "
-                    "such steps are not reported.",
-                    stacklevel=4,
-                )
+                warnings.warn(guards.cache_full(self.cache.limit, describe(CallSignature(args, kwargs))), stacklevel=4)
 
     # ----------------------------------------------------------------- dispatch
     def _make_dispatch(self, layer: GraphedLayer):
@@ -317,6 +332,8 @@ class GraphManager:
             self._start_of_step(args, kwargs)
         if self._mode is StepMode.RECORD:
             self._refuse_early(layer, at_call=True)
+            if self._split_since(self._global_step + 1):  # the record misses its parts' earlier calls
+                self._mode = StepMode.EAGER
         if layer.failure is not None:
             self.stats.eager_calls += 1
             return layer.forward(*args, **kwargs)

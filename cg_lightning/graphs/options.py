@@ -9,7 +9,7 @@ from ..option_checks import at_least, check_options, one_of
 
 BACKENDS = ("auto", "cuda", "eager")
 SHAPE_POLICIES = ("eager", "error", "recapture")
-CAPTURE_ERROR_POLICIES = ("raise", "eager")
+CAPTURE_ERROR_POLICIES = ("raise", "eager", "split")
 
 
 @dataclass
@@ -47,7 +47,7 @@ class GraphOptions:
     """Most graph sets under ``"recapture"`` and eval-graph keys per layer (>= 1); later new ones run eagerly."""
 
     on_capture_error: str = field(default="raise", metadata=one_of(CAPTURE_ERROR_POLICIES))
-    """A layer whose capture fails: ``"raise"`` stops training, ``"eager"`` runs that layer eagerly from then on."""
+    """A layer whose capture fails: ``"raise"`` stops training, ``"eager"`` runs it eagerly, ``"split"`` graphs its parts instead."""
 
     capture_optimizer: bool = False
     """Lightning only: replay ``optimizer.step()`` from a graph (``capturable`` optimizers); not bit-exact."""

@@ -49,6 +49,8 @@ class LayerGraphRunner(CallCapture):
         grad_output_layouts: per tensor output, the strides of the gradient eager backward handed it in the
             recorded step (:func:`watch_grad_layouts`), or ``None``: the layouts of the buffers the backward graph
             reads its output gradients from (:func:`static_grad_output_buffer`). ``None``: the outputs' own.
+        input_pieces: return each input's gradient as the pieces eager autograd would add one by one
+            (:mod:`.input_pieces`); not for a segment member.
     """
 
     def __init__(
@@ -68,8 +70,12 @@ class LayerGraphRunner(CallCapture):
         autocast: Optional[tuple] = None,
         grad_output_layouts: Optional[list] = None,
         grad_ready=None,
+        input_pieces: bool = False,
     ) -> None:
         self.name = name
+        #: hand input gradients back piece by piece, in eager autograd's order (:mod:`.input_pieces`): for a
+        #: call whose inputs are also used outside it (a part of a split layer)
+        self.input_pieces = input_pieces
         #: the data-parallel engine's grad-ready reporter (:mod:`cg_lightning.protocol`), ``None`` without one
         self.grad_ready = grad_ready
         self.grad_output_layouts = grad_output_layouts
@@ -287,10 +293,16 @@ class LayerGraphRunner(CallCapture):
                 "call in make_graphed_callables' tuple)."
             )
 
+    def node_inputs(self, tensors: Sequence[torch.Tensor]) -> tuple:
+        """What the replay node takes after the runner: the call's input tensors, the input of every extra
+        gradient-piece slot again (:mod:`.input_pieces`), then ``apply_edges``."""
+        return (*tensors, *[tensors[i] for i in self.piece_inputs], *self.apply_edges)
+
     def replay_backward(self, grad_outputs: Sequence[Optional[torch.Tensor]]) -> tuple:
-        """Returns gradients for the input tensors, then for ``apply_edges``."""
+        """Returns gradients for the input tensors, the extra gradient pieces, then for ``apply_edges``
+        (:meth:`node_inputs`)."""
         if self._bwd is None:
-            return (None,) * (self.num_inputs + len(self.apply_edges))
+            return (None,) * (self.num_inputs + len(self.piece_inputs) + len(self.apply_edges))
         if self._bwd.segment is None or self._bwd.launcher:  # else a segment member: the segment's graph filled the buffers
             with torch.no_grad():
                 for static, g in zip(self.static_grad_outputs, grad_outputs):
@@ -306,6 +318,7 @@ class LayerGraphRunner(CallCapture):
         n_in = len(grads) - len(routing.edges)
         it = iter(grads[:n_in])
         input_grads = [next(it) if t.requires_grad else None for t in self.static_inputs]
+        pieces = list(it)  # the further gradient pieces of inputs (.input_pieces)
         param_grads = [
             None if g is None else (g.clone() if clone else g)
             for g, clone in ((grads[n_in + k], clone) for k, clone in routing.returned)
@@ -313,7 +326,7 @@ class LayerGraphRunner(CallCapture):
         # the recorded notifications, then the directly reported parameters (where their AccumulateGrad nodes
         # would have reported), in one call
         self._report_all()
-        return (*input_grads, *param_grads)
+        return (*input_grads, *pieces, *param_grads)
 
     def output_structure(self, flat: tuple):
         """The layer's output as an eager call returns it: ``flat`` (the replay's tensors) in its structure, with

@@ -33,16 +33,22 @@ NO_DEFAULT_LAYERS = (
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphedLayer:
     """One selected layer: its qualified name, the module, and its own bound ``forward`` (which the graph
-    manager's dispatch replaces until ``GraphManager.remove``)."""
+    manager's dispatch replaces until ``GraphManager.remove``). Compared by identity."""
 
     name: str
     module: nn.Module
     forward: Callable
     warned: bool = False  #: a call ran eagerly under shape_policy "eager" and was reported
     failure: Optional[str] = None  #: why its capture failed (it then runs eagerly)
+    #: graphs.on_capture_error="split": the layer this one is a part of (``None`` for a selected layer), how
+    #: many splits below a selected layer it is, and its own parts once it was split (its forward then runs
+    #: eagerly and calls them)
+    parent: Optional["GraphedLayer"] = None
+    depth: int = 0
+    parts: Optional[List["GraphedLayer"]] = None
 
 
 def _own_class(module: nn.Module) -> bool:
@@ -114,6 +120,16 @@ def no_default_layers_message(model: nn.Module) -> str:
     names = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))][:8]
     example = repr(names[0]) if names else "'model.layer'"
     return NO_DEFAULT_LAYERS.format(model=type(model).__name__, example=example, names=names)
+
+
+def trainable_children(module: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The direct children of ``module`` that hold a trainable parameter, in module order: what a layer is
+    split into (``graphs.on_capture_error="split"``, :mod:`.splitting`).
+
+    Returns:
+        ``(child name, child)`` pairs; empty when there are none.
+    """
+    return [(key, child) for key, child in module.named_children() if any(p.requires_grad for p in child.parameters())]
 
 
 def select_layers(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[Tuple[str, nn.Module]]:

@@ -4,16 +4,16 @@
 owns the memory pool the graph sets share, builds one :class:`LayerGraphRunner` per recorded call, captures them
 (:func:`capture_calls`) and adds the resulting :class:`~.graph_sets.GraphSet` to the cache. All calls are captured
 together by :func:`~.capture.capture_in_order` (forwards in order, backwards in reverse, one pool). When one
-runner raises :class:`GraphCaptureError` and the policy is ``"eager"``, its layer is reported through
-``on_failed`` and every remaining call is captured again from scratch: the failed attempt's runners are dropped
-and ``capture_in_order`` has restored the training state, so nothing of it survives. With ``"raise"`` the error
-propagates, naming the layer.
+runner raises :class:`GraphCaptureError` and the policy is ``"eager"`` or ``"split"``, its layer is reported
+through ``on_failed`` and every remaining call is captured again from scratch: the failed attempt's runners are
+dropped and ``capture_in_order`` has restored the training state, so nothing of it survives. With ``"raise"``
+the error propagates, naming the layer. A layer that ``on_failed`` split into its parts (``"split"``) leaves the
+set uncaptured: the recorded calls hold none of the parts' calls (the graph manager records a step again).
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -54,7 +54,7 @@ def capture_calls(
             if not blamed:
                 raise
             layer = calls[runners.index(blamed[0])].layer
-            if on_capture_error != "eager":
+            if on_capture_error == "raise":
                 if layer.name not in str(exc):
                     raise GraphCaptureError(f"layer {layer.name!r}: {exc}") from exc
                 raise
@@ -63,12 +63,27 @@ def capture_calls(
     return [], []
 
 
+def _segments_without_parts(calls: List[CallRecord]) -> List[List[int]]:
+    """:func:`~.segments.find_segments`, with every call of a part of a split layer on its own: its input
+    gradients go back piece by piece (:mod:`.input_pieces`), which a segment's shared buffers do not do."""
+    out: List[List[int]] = []
+    for run in find_segments(calls):
+        if len(run) > 1 and any(calls[i].layer.parent is not None for i in run):
+            out += [[i] for i in run]
+        else:
+            out.append(run)
+    return out
+
+
 class SetCapture:
-    """Builds the graph sets of one :class:`~.manager.GraphManager`: its runners, their shared pool, the failed
-    layers (``on_capture_error="eager"``), and the capture counters of ``stats``."""
+    """Builds the graph sets of one :class:`~.manager.GraphManager`: its runners, their shared pool and the
+    capture counters of ``stats``. ``on_failed(layer, exc)``: what becomes of a layer whose capture failed under
+    ``on_capture_error`` ``"eager"`` or ``"split"`` (:class:`~.failures.CaptureFailures`); returns whether the
+    layer was split."""
 
     def __init__(self, model: nn.Module, options: GraphOptions, backend, device: torch.device,
-                 cache: GraphSetCache, stats: GraphStats, accumulate_into_main_grad: bool) -> None:
+                 cache: GraphSetCache, stats: GraphStats, accumulate_into_main_grad: bool,
+                 on_failed: Callable[[object, GraphCaptureError], bool]) -> None:
         self.model = model
         self.options = options
         self.backend = backend
@@ -76,12 +91,14 @@ class SetCapture:
         self.cache = cache
         self.stats = stats
         self.accumulate_into_main_grad = accumulate_into_main_grad
+        self.on_failed = on_failed
         self.pool = None
 
     def capture(self, record: StepRecord, grad_ready, segment_ends: Set[Tuple[int, int]]) -> Optional[GraphSet]:
         """Capture every call of ``record`` as one graph set and add it to the cache; ``None`` if none was.
         ``grad_ready``: the engine's reporter handed to every runner; ``segment_ends``: ``(id(layer), index)``
-        of recorded calls after which no segment may continue."""
+        of recorded calls after which no segment may continue. ``None`` also when a layer was split (``on_failed``
+        returned true): no set is added then."""
         start = time.perf_counter()
         allocated = self._allocated()
         if self.pool is None:
@@ -90,10 +107,16 @@ class SetCapture:
         self._require_grad_ready(calls, grad_ready)
         for call in calls:
             call.ends_segment = (id(call.layer), call.index) in segment_ends
+        split: List[object] = []
+
+        def failed(layer, exc: GraphCaptureError) -> None:
+            if self.on_failed(layer, exc):
+                split.append(layer)
+
         try:
             calls, runners = capture_calls(calls, lambda call: self._runner(call, grad_ready), self.model,
-                                           self.options.on_capture_error, self.mark_failed,
-                                           segments_of=find_segments if self.options.segments else None)
+                                           self.options.on_capture_error, failed,
+                                           segments_of=_segments_without_parts if self.options.segments else None)
             for call, runner in zip(calls, runners):
                 segment = runner.segment
                 if segment is not None and segment.node_runners is not None and draws(call):
@@ -103,17 +126,21 @@ class SetCapture:
                 call.output = call.output_node = call.rng_before = call.rng_after = None
         self.stats.capture_seconds += time.perf_counter() - start
         self.stats.pool_bytes += max(0, self._allocated() - allocated)
-        if not runners:
+        if not runners or split:
             return None
         graph_set = GraphSet(record.lead, {(id(c.layer), c.index): r for c, r in zip(calls, runners)})
         if self.options.direct_grad_ready and self.accumulate_into_main_grad:
             graph_set.direct_pending = direct_ready.candidates(runners)
         self.cache.sets.append(graph_set)
         self.stats.captures += 1
+        self.count()
+        return graph_set
+
+    def count(self) -> None:
+        """Set the counters of what the cache holds: graph sets, runners, segments."""
         self.stats.graph_sets = len(self.cache.sets)
         self.stats.captured_runners = len(self.cache.all_runners())
         self.stats.segments = len({id(r.segment) for r in self.cache.all_runners() if r.segment is not None})
-        return graph_set
 
     def _runner(self, call: CallRecord, grad_ready) -> LayerGraphRunner:
         return LayerGraphRunner(
@@ -131,6 +158,7 @@ class SetCapture:
             autocast=call.autocast,
             grad_output_layouts=call.grad_output_layouts,
             grad_ready=grad_ready,
+            input_pieces=call.layer.parent is not None,  # a part: its inputs are used outside it too
         )
 
     def _require_grad_ready(self, calls, grad_ready) -> None:
@@ -144,18 +172,6 @@ class SetCapture:
                 "no grad-ready reporter was bound; call manager.bind_grad_ready(engine.grad_ready) right after "
                 "building the engine, before the first capture."
             )
-
-    def mark_failed(self, layer, exc: BaseException) -> None:
-        """``layer`` runs eagerly from now on (``on_capture_error="eager"``), with one warning naming the cause."""
-        layer.failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        self.cache.forget_layer(layer)
-        self.stats.failed_layers.append(layer.name)
-        self.stats.captured_runners = len(self.cache.all_runners())
-        warnings.warn(
-            f"cg_lightning: layer {layer.name!r} could not be captured and runs eagerly from now on "
-            f"(graphs.on_capture_error='eager'); the other layers stay graphed. Cause: {layer.failure}",
-            stacklevel=5,
-        )
 
     def _allocated(self) -> int:
         if self.backend is not None and self.backend.name == "cuda":

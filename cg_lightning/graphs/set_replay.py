@@ -95,7 +95,7 @@ class SetReplay:
         segment = runner.segment
         if segment is not None and segment.node_runners is not None:
             return segment_calls.launch(self, segment, tensors)
-        flat = ReplayFunction.apply(runner, *tensors, *runner.apply_edges)
+        flat = ReplayFunction.apply(runner, *runner.node_inputs(tensors))
         self.count_replay(runner)
         return runner.output_structure(flat)
 
