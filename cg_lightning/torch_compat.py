@@ -172,6 +172,33 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
+# ------------------------------------------------------------------------- graph memory pools
+def end_allocate_to_pool(device: int, pool) -> bool:
+    """``torch._C._cuda_endAllocateToPool``: the device caching allocator stops routing a capture's allocations into
+    ``pool`` (a pool id); the pinned-host allocator is not touched (no torch API reaches it). ``CUDAGraph.capture_end``
+    does this, except when ``cudaStreamEndCapture`` raises (an invalidated capture). Returns ``False``, doing
+    nothing, when nothing is routed into ``pool`` (``capture_end`` got that far) or the installed torch lacks the API
+    (then a later ``torch.cuda.empty_cache()`` trips the allocator's ``captures_underway.empty()`` assert)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return False
+    try:
+        end(device, pool)
+    except RuntimeError:  # "not currently recording to mempool_id"
+        return False
+    return True
+
+
+def empty_host_cache() -> None:
+    """``torch._C._host_emptyCache``: the pinned-host caching allocator frees its unused blocks and forgets the graph
+    pools whose count fell to zero, so that a later capture can make them again (its ``create_or_incref_pool``
+    asserts ``use_count > 0`` on a pool still listed). ``torch.cuda.graph`` calls it before every capture
+    (``torch/cuda/graphs.py``, torch 2.11 and later). Does nothing where torch lacks it (a CPU-only build)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
 # ------------------------------------------------------------------------- kernels
 def _foreach_add_fallback(tensors: Sequence[torch.Tensor], others) -> None:
     if isinstance(others, (int, float)):

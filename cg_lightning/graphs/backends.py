@@ -6,7 +6,8 @@ the static tensors of that run; ``graph.replay()`` recomputes them in place.
 
 * :class:`CudaBackend`: ``torch.cuda.CUDAGraph`` captured on a dedicated side stream (never the default
   stream, never a stream with pending work of its own), all graphs of a manager sharing one memory pool;
-  graph-safe Philox RNG, so dropout masks change on every replay.
+  graph-safe Philox RNG, so dropout masks change on every replay. A capture that fails leaves the process as
+  it was before it (:func:`guarded_capture`).
 * :class:`EagerBackend`: the body is simply run again at replay and its results copied into the static
   outputs. Same static-buffer semantics and the same bookkeeping, no CUDA needed: how CPU CI exercises
   the engine. It never replaces running the CUDA tests on a GPU.
@@ -19,6 +20,8 @@ import gc
 from typing import Callable, Iterator, List, Optional
 
 import torch
+
+from .capture_guard import guarded_capture
 
 Body = Callable[[], List[Optional[torch.Tensor]]]
 
@@ -97,11 +100,17 @@ class CudaBackend:
         self.stream = torch.cuda.Stream(device=device)
 
     def new_pool(self):
-        return torch.cuda.graph_pool_handle()
+        """A graph memory pool: a ``torch.cuda.MemPool``, whose object holds a reference to the pool in the device
+        allocator for as long as it lives, so the pool never runs out of users while graphs are dropped and captured
+        again (the allocator refuses a capture into a pool whose count fell to zero while its memory is still in
+        use: ``create_or_incref_pool`` in ``c10/cuda/CUDACachingAllocator.cpp``)."""
+        with torch.cuda.device(self.device):
+            return torch.cuda.MemPool()
 
     @contextlib.contextmanager
     def warmup_stream(self) -> Iterator[None]:
-        """Run warmup passes on the capture stream, ordered after the current stream's work.
+        """Run warmup passes on the capture stream, ordered after the current stream's work (and the current
+        stream after them, also when a pass raises).
 
         Libraries initialise per-stream state lazily (cuBLAS binds a workspace to each handle and stream on
         first use); that must happen before capture, not inside it, or the captured GEMM fails with
@@ -110,20 +119,25 @@ class CudaBackend:
         """
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            yield
-        current.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            current.wait_stream(self.stream)
 
     @contextlib.contextmanager
     def capture_region(self, pool=None) -> Iterator["torch.cuda.CUDAGraph"]:
         """Capture everything run inside into one ``CUDAGraph`` on the capture stream, ordered after the
-        current stream's work (and the current stream after it)."""
+        current stream's work (and the current stream after it). A failure inside leaves no capture behind
+        (:func:`guarded_capture`)."""
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream):
-            yield graph
-        current.wait_stream(self.stream)
+        try:
+            with collector_paused(), torch.cuda.device(self.device), guarded_capture(graph, self.stream, pool):
+                yield graph
+        finally:
+            current.wait_stream(self.stream)
 
     def capture(self, body: Body, pool=None) -> CapturedGraph:
         with self.capture_region(pool) as graph:

@@ -212,12 +212,17 @@ class CallCapture:
                 pieces = InputPieces([o for o, _ in diff], self.static_inputs, self._piece_layout)
             # The recomputation anchors make autograd.grad run every CheckpointWithoutOutput region's
             # backward, even one on no path to the inputs or owned parameters; their grads are dropped.
-            with torch.enable_grad(), pieces if pieces is not None else contextlib.nullcontext():
-                grads = list(
-                    torch.autograd.grad(
-                        [o for o, _ in diff], targets + self._anchors, [g for _, g in diff], allow_unused=True
-                    )
-                )[: len(targets)]
+            try:
+                with torch.enable_grad(), pieces if pieces is not None else contextlib.nullcontext():
+                    grads = list(
+                        torch.autograd.grad(
+                            [o for o, _ in diff], targets + self._anchors, [g for _, g in diff], allow_unused=True
+                        )
+                    )[: len(targets)]
+            except BaseException:  # a failed capture leaves the parameters' .grad as they were
+                for p, old in zip(params, stashed):
+                    p.grad = old
+                raise
         n_in = len(targets) - len(params)
         input_grads, wgrads = grads[:n_in], grads[n_in:]
         if pieces is not None:  # each input's first piece, then the further ones (.input_pieces)

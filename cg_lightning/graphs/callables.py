@@ -80,7 +80,8 @@ def make_graphed_callables(
         num_warmup_iters: eager warmup passes per callable before capture (>= 1).
         allow_unused_input: accepted for torch's signature; an input the outputs do not depend on always
             gets a ``None`` gradient here (torch raises for it unless this is true).
-        pool: a memory pool handle to share with other graphs (CUDA backend).
+        pool: a memory pool to share with other graphs (CUDA backend): a handle (``torch.cuda.graph_pool_handle()``,
+            ``graph.pool()``) or a ``torch.cuda.MemPool``; ``None``: a pool of their own.
         clone_param_grads_on_return: return owned clones of parameter gradients (see module docstring).
         sample_kwargs: keyword arguments (dict, or tuple of dicts) of the sample call.
         backend: ``"auto"``, ``"cuda"`` or ``"eager"``.
@@ -94,7 +95,9 @@ def make_graphed_callables(
         The graphed callable, or a tuple of them.
 
     Raises:
-        GraphCaptureError: if a callable cannot be captured (message names it and the cause).
+        GraphCaptureError: if a callable cannot be captured (message names it and the cause). The process is
+            then as before the call: no capture left open, the callables' ``forward`` untouched, RNG states and
+            buffers restored.
         GraphSignatureError: at call time, if the arguments differ from the samples other than in a way the
             replay still serves (see the module docstring); in backward, if it needs the gradient of an input
             sampled without ``requires_grad``.

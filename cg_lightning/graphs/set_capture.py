@@ -113,15 +113,17 @@ class SetCapture:
             if self.on_failed(layer, exc):
                 split.append(layer)
 
-        calls, runners = capture_calls(calls, lambda call: self._runner(call, grad_ready), self.model,
-                                       self.options.on_capture_error, failed,
-                                       segments_of=_segments_without_parts if self.options.segments else None)
-        for call, runner in zip(calls, runners):
-            segment = runner.segment
-            if segment is not None and segment.node_runners is not None and draws(call):
-                segment.members_draw = True  # draws between its calls must then be refused (segments.node.follow)
-        for call in record.calls:
-            call.output = call.output_node = call.rng_before = call.rng_after = None
+        try:
+            calls, runners = capture_calls(calls, lambda call: self._runner(call, grad_ready), self.model,
+                                           self.options.on_capture_error, failed,
+                                           segments_of=_segments_without_parts if self.options.segments else None)
+            for call, runner in zip(calls, runners):
+                segment = runner.segment
+                if segment is not None and segment.node_runners is not None and draws(call):
+                    segment.members_draw = True  # draws between its calls must then be refused (segments.node.follow)
+        finally:  # the recorded step's tensors are not kept, also when the capture raised
+            for call in record.calls:
+                call.output = call.output_node = call.rng_before = call.rng_after = None
         self.stats.capture_seconds += time.perf_counter() - start
         self.stats.pool_bytes += max(0, self._allocated() - allocated)
         if not runners or split:

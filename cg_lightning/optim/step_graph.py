@@ -197,7 +197,11 @@ class OptimizerStepGraph:
                     g["lr"] = lr
             return []
 
-        self._graph = self.backend.capture(body, self._pool)
+        try:
+            self._graph = self.backend.capture(body, self._pool)
+        except BaseException:  # the backend ended the capture; this object holds nothing of it
+            self._graph, self._pool, self._lr, self._lr_values = None, None, [], []
+            raise
         self.phase = "captured"
         if cuda:
             self._graph.replay()  # a CUDA capture records the step without running it
