@@ -1,6 +1,6 @@
 """The capture half of one graphed call: warmup and discovery, forward capture, the backward body and its capture.
 
-:class:`CallCapture` is the base of :class:`~.runner.LayerGraphRunner`; its steps, run by :mod:`.capture` in
+:class:`CallCapture` is the base of :class:`~.runner.LayerGraphRunner`; its steps, run by :mod:`.capture_order` in
 replay order, produce the runner's captured state (its graphs, :class:`~.routing.Routing` and
 :class:`~.replay_plan.ReplayPlan`):
 

@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 
 from .backends import make_backend
-from .capture import capture_in_order
+from .capture_order import capture_in_order
 from .relaxed_calls import RelaxedCalls
-from .replay import ReplayFunction
+from .replay_node import ReplayFunction
 from .runner import LayerGraphRunner
 from .signature import CallSignature
 

@@ -31,7 +31,7 @@ from .. import torch_compat
 
 from .autocast import autocast_as, autocast_state
 from .buffer_reuse import copy_into_static
-from .capture import preserved_training_state
+from .capture_order import preserved_training_state
 from .host_sync import hook_dicts, hooks_inside, refuse_host_sync
 from .outputs import OutputStructure, OutputStructureError, split_outputs
 from .signature import CallSignature

@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .autocast import autocast_state, uncached_autocast
-from .capture import preserved_training_state
+from .capture_order import preserved_training_state
 from .discovery import reachable_leaves
 from .signature import GraphSignatureError, TensorMeta, _same_value
 from ..torch_compat import (

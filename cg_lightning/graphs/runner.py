@@ -44,7 +44,7 @@ class LayerGraphRunner(CallCapture):
         accumulate_into_main_grad: add parameter gradients into ``param.main_grad`` inside the graph.
         clone_param_grads_on_return: when not accumulating, return owned clones of parameter gradients.
         num_warmup_iters: eager warmup passes (>= 1).
-        autocast: the autocast settings the call was recorded under (:func:`.capture.autocast_state`);
+        autocast: the autocast settings the call was recorded under (:func:`.autocast.autocast_state`);
             warmup, capture and eager-backend replays of the body run under them. ``None``: the ambient ones.
         grad_output_layouts: per tensor output, the strides of the gradient eager backward handed it in the
             recorded step (:func:`watch_grad_layouts`), or ``None``: the layouts of the buffers the backward graph

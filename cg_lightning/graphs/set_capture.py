@@ -3,7 +3,7 @@
 :class:`SetCapture` is the graph manager's capture half (:class:`~.set_replay.SetReplay` its replay half): it
 owns the memory pool the graph sets share, builds one :class:`LayerGraphRunner` per recorded call, captures them
 (:func:`capture_calls`) and adds the resulting :class:`~.graph_sets.GraphSet` to the cache. All calls are captured
-together by :func:`~.capture.capture_in_order` (forwards in order, backwards in reverse, one pool). When one
+together by :func:`~.capture_order.capture_in_order` (forwards in order, backwards in reverse, one pool). When one
 runner raises :class:`GraphCaptureError` and the policy is ``"eager"`` or ``"split"``, its layer is reported
 through ``on_failed`` and every remaining call is captured again from scratch: the failed attempt's runners are
 dropped and ``capture_in_order`` has restored the training state, so nothing of it survives. With ``"raise"``
@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from .. import protocol
 from . import direct_ready
-from .capture import capture_in_order
+from .capture_order import capture_in_order
 from .graph_sets import GraphSet, GraphSetCache, GraphStats
 from .guards import GraphCaptureError
 from .options import GraphOptions

@@ -23,7 +23,7 @@ import torch.nn as nn
 from . import direct_ready
 from .graph_sets import GraphSet, GraphStats
 from .options import GraphOptions
-from .replay import ReplayFunction
+from .replay_node import ReplayFunction
 from .segments import dispatch as segment_calls
 from .signature import GraphSignatureError
 
