@@ -184,8 +184,12 @@ def observer_inside(name: str) -> str:
 
 def unmatched_warmup(mismatches: Sequence[str]) -> str:
     """The warning given once when no step after warmup starts like the recorded one, so nothing is captured."""
-    hint = (" A new cache object in every forward (transformers with use_cache=True) never matches: pass "
-            "use_cache=False to the model in training." if any("Cache" in m for m in mismatches) else "")
+    if any("Cache" in m for m in mismatches):
+        hint = (" A new cache object in every forward (transformers with use_cache=True) never matches: pass "
+                "use_cache=False to the model in training.")
+    else:
+        hint = (" Shapes that change every step (text padded to its longest row) never match: pad to a few lengths "
+                "(cg_lightning.pad_to_multiple) with graphs.shape_policy='recapture', or use fixed shapes.")
     return ("cg_lightning: nothing is graphed: the first graphed call of this step differs from the one recorded in "
             "the warmup steps, so the recorded calls cannot be captured and the layers run eagerly:\n  "
             + "\n  ".join(mismatches) + f"\n{hint}".rstrip() + " This warning is given once.")

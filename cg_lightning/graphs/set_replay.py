@@ -136,7 +136,9 @@ class SetReplay:
             layer.warned = True
             warnings.warn(
                 f"cg_lightning: layer {layer.name!r} runs eagerly for a call its graph was not captured for ("
-                + "; ".join(why) + "). Further such calls of this layer are not reported.",
+                + "; ".join(why) + "). Shapes that change every step (text padded to its longest row) never "
+                "replay: pad to a few lengths (cg_lightning.pad_to_multiple) with graphs.shape_policy='recapture', "
+                "or use fixed shapes (drop_last=True). Further such calls of this layer are not reported.",
                 stacklevel=4,
             )
         return self.eager(layer, args, kwargs)
