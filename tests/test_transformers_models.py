@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from cg_lightning import GraphCaptureError
 from tests.engine_models import assert_grads_equal, batches, graphed_engine
 from tests.helpers import WARMUP, cg_strategy, make_trainer, state_rel_diff
-from tests.hf_models import assert_same_weights, fit_hf, tiny_llama, tiny_qwen2_moe
+from tests.hf_models import HFModule, assert_same_weights, fit_hf, tiny_llama, tiny_qwen2_moe
 from tests.recorders import LifecycleRecorder
 
 transformers = pytest.importorskip("transformers")
@@ -96,11 +96,10 @@ def test_t5_encoder_blocks_returning_none_train_and_validate_like_ddp():
 
 
 def test_t5_all_blocks_train_like_ddp():
-    """Encoder and decoder blocks graphed, 8 steps: captured and replayed, weights within 1e-6 (relative) of
-    "ddp". Not bit for bit: the encoder output feeds the cross-attention key and value projections of both
-    decoder blocks; eager backward adds those four gradients one at a time, while decoder block 0's backward
-    graph adds its two before autograd adds them to the rest (another rounding; graphing only the encoder
-    blocks and the last decoder block stays bit for bit). Measured: 4e-8."""
+    """Encoder and decoder blocks graphed, 8 steps: captured and replayed, weights equal to "ddp" bit for bit.
+    The encoder output feeds the cross-attention key and value projections of both decoder blocks: each decoder
+    block's capture hands the gradient pieces of that input back one by one, so that autograd adds the four in
+    eager order (:mod:`cg_lightning.graphs.input_pieces`)."""
     steps = 8
     ref, _, _ = _fit_t5("ddp", steps, validation=False)
     model, trainer, _ = _fit_t5(cg_strategy("eager", layers=[ENCODER_BLOCKS, DECODER_BLOCKS]), steps,
@@ -108,9 +107,29 @@ def test_t5_all_blocks_train_like_ddp():
     stats = trainer.strategy.last_graph_stats
     assert stats.captured_runners == 4 and stats.failed_layers == [] and stats.fallback_calls == 0
     assert stats.forward_replays == 4 * (steps - WARMUP)
-    diff = state_rel_diff(model.state_dict(), ref.state_dict())
-    print(f"T5, all blocks graphed: weight diff {diff:.1e}")
-    assert diff < 1e-6
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+class _HiddenStateInLoss(HFModule):
+    """The loss also takes an intermediate hidden state (the first layer's output)."""
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        out = self.model(input_ids=ids, labels=ids, output_hidden_states=True)
+        return out.loss + 0.1 * out.hidden_states[1].pow(2).mean()
+
+
+def test_an_intermediate_hidden_state_in_the_loss_stays_exact(monkeypatch):
+    """The second layer's input is also used by the loss: its capture hands the input's gradient pieces back
+    one by one, and autograd adds the loss's in eager order: weights equal to "ddp" bit for bit."""
+    import tests.hf_models as hf
+
+    monkeypatch.setattr(hf, "HFModule", _HiddenStateInLoss)
+    ref, _ = fit_hf("ddp", tiny_llama, steps=8)
+    got, stats, messages = _fit_cg(tiny_llama, steps=8)
+    assert stats.captured_runners == 3 and stats.forward_replays == 3 * (8 - WARMUP), stats
+    assert_same_weights(got, ref)
 
 
 class _ModelOutputLayer(torch.nn.Module):

@@ -43,7 +43,7 @@ from .eval_graphs import EvalGraphs
 from .failures import CaptureFailures
 from .graph_sets import GraphSetCache, GraphStats, describe
 from .options import GraphOptions
-from .recording import StepRecord, record_call
+from .recording import StepRecord, mark_inputs_used_elsewhere, record_call
 from .runner import LayerGraphRunner
 from .segments import segment_ends
 from .selection import GraphedLayer, select_layers
@@ -211,14 +211,16 @@ class GraphManager:
                                                  self._no_grad_calls), stacklevel=3)
 
     def before_backward(self, loss: torch.Tensor) -> None:
-        """Called with the loss before the backward of a training micro-batch. In a recorded step
-        (``graphs.segments``): mark the recorded outputs that also reach the loss outside the next call, so
-        no segment is built across them. At the first backward of a step that replayed a graph set
+        """Called with the loss before the backward of a training micro-batch. In a recorded step: mark the
+        calls whose inputs the loss also reaches from outside them (their captures hand input gradients back
+        piece by piece) and, with ``graphs.segments``, the recorded outputs that also reach the loss outside the
+        next call, so no segment is built across them. At the first backward of a step that replayed a graph set
         (``graphs.direct_grad_ready``): confirm which candidate parameters only their own replay reaches;
         they are reported by the replay from the next step on."""
-        if self._mode is StepMode.RECORD and self.options.segments and isinstance(loss, torch.Tensor):
-            # what any recorded micro-batch showed counts (accumulation: the capture sees only the last one)
-            self._segment_ends.update(segment_ends(loss, self._recording.calls))
+        if self._mode is StepMode.RECORD and isinstance(loss, torch.Tensor):
+            if self.options.segments:  # what any recorded micro-batch showed counts (the capture sees the last)
+                self._segment_ends.update(segment_ends(loss, self._recording.calls))
+            mark_inputs_used_elsewhere(loss, self._recording.calls)
         elif self._mode is StepMode.REPLAY:
             self._replay.before_backward(loss)
 

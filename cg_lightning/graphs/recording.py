@@ -11,12 +11,13 @@ detached arguments, its autocast settings and the layouts of the gradients its o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from .. import torch_compat
 from .autocast import autocast_state
+from .discovery import autograd_edges
 from .grad_layouts import watch_grad_layouts
 from .segments import rng_state
 from .signature import CallSignature
@@ -58,6 +59,12 @@ class CallRecord:
     #: where none came): the layout the backward graph's gradient-output buffers take, so a replay computes on
     #: the layout eager backward computes on (:func:`.grad_layouts.static_grad_output_buffer`)
     grad_output_layouts: Optional[list] = None
+    #: the autograd nodes of the inputs that require grad and of the outputs (kept until the step's backward),
+    #: and whether that backward reached an input from outside the call as well as from two or more of its own
+    #: nodes (:func:`mark_inputs_used_elsewhere`)
+    input_nodes: tuple = ()
+    output_nodes: tuple = ()
+    input_used_elsewhere: bool = False
 
 
 @dataclass
@@ -88,7 +95,12 @@ def run_recorded(record: CallRecord, forward: Callable, args: tuple, kwargs: dic
             record.input_version = torch_compat.version(args[0])
             record.input_hooks = tuple(torch_compat.grad_hooks(args[0]) or ())
         record.rng_before = rng_state(device)
+    record.input_nodes = tuple(t.grad_fn for t in record.signature.tensor_leaves(args, kwargs)
+                               if t.requires_grad and t.grad_fn is not None)
     out = forward(*args, **kwargs)
+    if record.input_nodes:
+        record.output_nodes = tuple(t.grad_fn for t in torch_compat.tree_flatten(out)[0]
+                                    if isinstance(t, torch.Tensor) and t.grad_fn is not None)
     record.grad_output_layouts = watch_grad_layouts(out)  # before output_hooks: the hook is part of them
     if segments:
         record.rng_after = rng_state(device)
@@ -98,6 +110,44 @@ def run_recorded(record: CallRecord, forward: Callable, args: tuple, kwargs: dic
         record.output_node = out.grad_fn  # to see in this step's backward who else uses the output
         record.output_hooks = tuple(torch_compat.grad_hooks(out) or ())
     return out
+
+
+def mark_inputs_used_elsewhere(loss: torch.Tensor, calls: List[CallRecord]) -> None:
+    """Before the backward of a recorded step: set ``input_used_elsewhere`` on each call one of whose inputs
+    the backward reaches both from outside the call (a hidden state kept for the loss, an encoder output that
+    several decoder blocks read) and from two or more of the call's own nodes. Eager autograd adds those pieces
+    one by one; such a call's capture hands them back one by one too (:mod:`.input_pieces`) instead of summed.
+    Drops the nodes."""
+    root = getattr(loss, "grad_fn", None)
+    watched = [c for c in calls if c.input_nodes and c.output_nodes]
+    if root is not None and watched:
+        owners: dict = {}  # id(input node) -> [(call, ids of the call's own nodes, [inside edges, outside edges])]
+        for call in watched:
+            stops = {id(n) for n in call.input_nodes}
+            own = {id(n) for n in _nodes_above(call.output_nodes, stops)}
+            for node in call.input_nodes:
+                owners.setdefault(id(node), []).append((call, own, [0, 0]))
+        for node, nxt in autograd_edges(root):
+            for _, own, counts in owners.get(id(nxt), ()):
+                counts[id(node) not in own] += 1
+        for entries in owners.values():
+            for call, _, (inside, outside) in entries:
+                if inside >= 2 and outside >= 1:
+                    call.input_used_elsewhere = True
+    for call in calls:
+        call.input_nodes = call.output_nodes = ()
+
+
+def _nodes_above(outputs: Sequence[object], stops: set) -> List[object]:
+    """The autograd nodes from ``outputs`` down to (not including) the nodes whose id is in ``stops``."""
+    found = {id(n): n for n in outputs if id(n) not in stops}
+    stack = list(found.values())
+    while stack:
+        for nxt, _ in stack.pop().next_functions:
+            if nxt is not None and id(nxt) not in stops and id(nxt) not in found:
+                found[id(nxt)] = nxt
+                stack.append(nxt)
+    return list(found.values())
 
 
 def _detach_tree(tree):

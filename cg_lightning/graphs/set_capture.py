@@ -64,11 +64,11 @@ def capture_calls(
 
 
 def _segments_without_parts(calls: List[CallRecord]) -> List[List[int]]:
-    """:func:`~.segments.find_segments`, with every call of a part of a split layer on its own: its input
-    gradients go back piece by piece (:mod:`.input_pieces`), which a segment's shared buffers do not do."""
+    """:func:`~.segments.find_segments`, with every call of a part of a split layer, and every call whose input
+    is used outside it, on its own: its input gradients go back piece by piece (:mod:`.input_pieces`), which a segment's shared buffers do not do."""
     out: List[List[int]] = []
     for run in find_segments(calls):
-        if len(run) > 1 and any(calls[i].layer.parent is not None for i in run):
+        if len(run) > 1 and any(calls[i].layer.parent is not None or calls[i].input_used_elsewhere for i in run):
             out += [[i] for i in run]
         else:
             out.append(run)
@@ -158,7 +158,8 @@ class SetCapture:
             autocast=call.autocast,
             grad_output_layouts=call.grad_output_layouts,
             grad_ready=grad_ready,
-            input_pieces=call.layer.parent is not None,  # a part: its inputs are used outside it too
+            # a part's inputs are used outside it too; so were these, in the recorded step
+            input_pieces=call.layer.parent is not None or call.input_used_elsewhere,
         )
 
     def _require_grad_ready(self, calls, grad_ready) -> None:
