@@ -18,7 +18,7 @@ from .buffer_reuse import (
 )
 from .main_grad_adds import MainGradAdds
 from .guards import GraphCaptureError
-from .segments import members_capturing, segment_capture
+from .segments import SharedContext, has_context, members_capturing, segment_capture, share_context_inputs
 
 
 def capture_in_order(
@@ -93,16 +93,22 @@ def _sum_shared_params_through_autograd(runners: Sequence) -> None:
 
 
 def _capture_segment_forward(members: Sequence, run) -> None:
-    """The members' forward bodies in one capture region, each member's input the previous one's output."""
+    """The members' forward bodies in one capture region, each member's input the previous one's output and its
+    other inputs (a shared context: :mod:`.segments.context`) the first member's."""
     with segment_capture(members[0].backend, members[0].pool) as seg, members_capturing(members, seg):
         for j, r in enumerate(members):
             if j > 0:
                 share_inputs_with_previous_outputs(members[j - 1], r)
+                if has_context(r):
+                    share_context_inputs(members[0], r)
             with r.deferring_static_grad_outputs():
                 run(r, r.capture_forward)
     for r in members:
         r.make_static_grad_outputs()
-    members[0].segment.member_runners = list(members)
+    segment = members[0].segment
+    segment.member_runners = list(members)
+    if any(map(has_context, members[1:])):
+        segment.context = SharedContext()  # what the first call was given, checked at the others' calls
 
 
 def _capture_segment_backward(members: Sequence, run) -> None:
