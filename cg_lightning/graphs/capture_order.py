@@ -95,12 +95,13 @@ def _sum_shared_params_through_autograd(runners: Sequence) -> None:
 def _capture_segment_forward(members: Sequence, run) -> None:
     """The members' forward bodies in one capture region, each member's input the previous one's output and its
     other inputs (a shared context: :mod:`.segments.context`) the first member's."""
+    for r in members[1:]:
+        if has_context(r):  # before the capture region: the members' own buffers for them are freed here
+            share_context_inputs(members[0], r)
     with segment_capture(members[0].backend, members[0].pool) as seg, members_capturing(members, seg):
         for j, r in enumerate(members):
             if j > 0:
                 share_inputs_with_previous_outputs(members[j - 1], r)
-                if has_context(r):
-                    share_context_inputs(members[0], r)
             with r.deferring_static_grad_outputs():
                 run(r, r.capture_forward)
     for r in members:
