@@ -6,8 +6,9 @@ encoder) is kept from the capture and put back around the replayed tensors (``cg
 so are the fields a layer's ``ModelOutput`` leaves at ``None`` (engine level, against plain PyTorch). The
 library's activation checkpointing and its output-capturing hooks (``output_hidden_states``,
 ``output_attentions``, ``output_router_logits``) train under the strategy too, and so does a mixture-of-experts
-model under ``graphs.on_capture_error="split"`` (its layers' parts graphed, the experts eager). CI runs this
-file on the lowest ``transformers`` the package supports and on the newest.
+model under ``graphs.on_capture_error="split"`` (its layers' parts graphed, the experts eager). Decoder layers,
+called with the hidden states and the same mask, positions and flags each, form one segment. CI runs this file on
+the lowest ``transformers`` the package supports and on the newest.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, seed_everything
+from lightning.pytorch import Callback, LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 from cg_lightning import GraphCaptureError
 from tests.engine_models import assert_grads_equal, batches, graphed_engine
 from tests.helpers import WARMUP, cg_strategy, make_trainer, state_rel_diff
-from tests.hf_models import HFModule, assert_same_weights, fit_hf, tiny_llama, tiny_qwen2_moe
+from tests.hf_models import HFModule, assert_same_weights, fit_hf, tiny_gpt2, tiny_llama, tiny_qwen2_moe
 from tests.recorders import LifecycleRecorder
 
 transformers = pytest.importorskip("transformers")
@@ -181,12 +182,40 @@ def test_layers_returning_a_model_output_with_none_fields_are_graphed():
     assert_grads_equal(got, ref, tol=0)
 
 
-def _fit_cg(build, **module_kwargs):
+def _fit_cg(build, callbacks=(), **module_kwargs):
     """:func:`fit_hf` under the strategy; returns (module, graph stats, cg_lightning warnings)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, trainer = fit_hf(cg_strategy("eager"), build, **module_kwargs)
+        got, trainer = fit_hf(cg_strategy("eager"), build, callbacks=callbacks, **module_kwargs)
     return got, trainer.strategy.last_graph_stats, [str(w.message) for w in caught if "cg_lightning" in str(w.message)]
+
+
+class _SegmentMembers(Callback):
+    """At the end of training: per captured segment, the number of layer calls replayed through its one node."""
+
+    def __init__(self) -> None:
+        self.members = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        runners = trainer.strategy.graph_manager.all_runners()
+        segments = {id(r.segment): r.segment for r in runners if r.segment is not None}
+        self.members = [len(s.node_runners or ()) for s in segments.values()]
+
+
+@pytest.mark.parametrize("build,layers", [(tiny_llama, 3), (tiny_gpt2, 2)], ids=["llama", "gpt2"])
+def test_decoder_layers_called_with_the_same_mask_and_positions_form_one_segment(build, layers):
+    """The decoder layers are called with the hidden states and keyword arguments that are the same for every layer
+    of a forward (Llama: ``attention_mask``, ``position_embeddings=(cos, sin)``, ``position_ids``, ``use_cache``;
+    GPT-2: ``None`` positionals, ``position_ids``, flags): all of them form one segment replayed through one node
+    (``graphs.segments``, :mod:`cg_lightning.graphs.segments.context`); weights equal ``"ddp"``'s bit for bit."""
+    ref, _ = fit_hf("ddp", build)
+    members = _SegmentMembers()
+    got, stats, messages = _fit_cg(build, callbacks=[members])
+    assert messages == [], messages
+    assert stats.segments == 1 and members.members == [layers], (stats, members.members)
+    assert stats.captured_runners == layers and stats.forward_replays == layers * (6 - WARMUP), stats
+    assert stats.fallback_calls == 0, stats
+    assert_same_weights(got, ref)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])

@@ -18,7 +18,7 @@ from .buffer_reuse import (
 )
 from .main_grad_adds import MainGradAdds
 from .guards import GraphCaptureError
-from .segments import members_capturing, segment_capture
+from .segments import SharedContext, has_context, members_capturing, segment_capture, share_context_inputs
 
 
 def capture_in_order(
@@ -93,7 +93,11 @@ def _sum_shared_params_through_autograd(runners: Sequence) -> None:
 
 
 def _capture_segment_forward(members: Sequence, run) -> None:
-    """The members' forward bodies in one capture region, each member's input the previous one's output."""
+    """The members' forward bodies in one capture region, each member's input the previous one's output and its
+    other inputs (a shared context: :mod:`.segments.context`) the first member's."""
+    for r in members[1:]:
+        if has_context(r):  # before the capture region: the members' own buffers for them are freed here
+            share_context_inputs(members[0], r)
     with segment_capture(members[0].backend, members[0].pool) as seg, members_capturing(members, seg):
         for j, r in enumerate(members):
             if j > 0:
@@ -102,7 +106,10 @@ def _capture_segment_forward(members: Sequence, run) -> None:
                 run(r, r.capture_forward)
     for r in members:
         r.make_static_grad_outputs()
-    members[0].segment.member_runners = list(members)
+    segment = members[0].segment
+    segment.member_runners = list(members)
+    if any(map(has_context, members[1:])):
+        segment.context = SharedContext()  # what the first call was given, checked at the others' calls
 
 
 def _capture_segment_backward(members: Sequence, run) -> None:

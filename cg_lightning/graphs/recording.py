@@ -20,6 +20,7 @@ from .autocast import autocast_state
 from .discovery import autograd_edges
 from .grad_layouts import watch_grad_layouts
 from .segments import rng_state
+from .segments.context import version as context_version
 from .signature import CallSignature
 
 
@@ -38,6 +39,10 @@ class CallRecord:
     output: Optional[object] = None
     input_version: Optional[int] = None
     output_version: Optional[int] = None
+    #: graphs.segments: the version counters of the call's tensor arguments after the first, before the call
+    #: (``None`` for the other arguments; empty for a call with one argument): a segment's shared context
+    #: changed in place between two calls ends the segment there (segments.shares_context)
+    context_versions: tuple = ()
     #: the autocast settings in force at the call (:func:`.autocast.autocast_state`)
     autocast: Optional[tuple] = None
     #: graphs.segments: the output's autograd node (kept until capture), and whether the recorded step's
@@ -94,6 +99,9 @@ def run_recorded(record: CallRecord, forward: Callable, args: tuple, kwargs: dic
         if args and isinstance(args[0], torch.Tensor):
             record.input_version = torch_compat.version(args[0])
             record.input_hooks = tuple(torch_compat.grad_hooks(args[0]) or ())
+        if kwargs or len(args) > 1:
+            rest = torch_compat.tree_flatten((args, kwargs))[0][1:]
+            record.context_versions = tuple(context_version(x) if isinstance(x, torch.Tensor) else None for x in rest)
         record.rng_before = rng_state(device)
     record.input_nodes = tuple(t.grad_fn for t in record.signature.tensor_leaves(args, kwargs)
                                if t.requires_grad and t.grad_fn is not None)

@@ -93,8 +93,10 @@ class SetReplay:
             return self._fallback(layer, index, runner, args, kwargs)
         tensors = runner.signature.tensor_leaves(args, kwargs)
         segment = runner.segment
-        if segment is not None and segment.node_runners is not None:
-            return segment_calls.launch(self, segment, tensors)
+        if segment is not None and not follows:
+            if segment.node_runners is not None:
+                return segment_calls.launch(self, segment, tensors, args, kwargs)
+            segment_calls.start(segment, args, kwargs)  # launches the segment's forward graph below
         flat = ReplayFunction.apply(runner, *runner.node_inputs(tensors))
         self.count_replay(runner)
         return runner.output_structure(flat)

@@ -6,8 +6,12 @@ from typing import List, Sequence, Set, Tuple
 
 import torch
 
-from ...torch_compat import global_module_hooks, module_hooks
+from ...torch_compat import global_module_hooks, module_hooks, tree_flatten
 from ..discovery import autograd_edges
+from ..signature import _same_value
+
+#: the types of the non-tensor arguments a segment's members may share (a cache or any other mutable object: no)
+CONSTANTS = (type(None), bool, int, float, str)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -21,8 +25,9 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def find_segments(calls: Sequence) -> List[List[int]]:
-    """Split recorded calls (``CallRecord`` with ``output`` kept) into runs where each call's only argument
-    is the previous call's output; returns lists of indices into ``calls``, singletons included, in order."""
+    """Split recorded calls (``CallRecord`` with ``output`` kept) into runs where each call's first argument
+    is the previous call's output and its other arguments are the run's shared context (:func:`shares_context`);
+    returns lists of indices into ``calls``, singletons included, in order."""
     segments: List[List[int]] = []
     for i, call in enumerate(calls):
         if segments and i > 0 and _chains(calls[i - 1], call):
@@ -34,9 +39,9 @@ def find_segments(calls: Sequence) -> List[List[int]]:
 
 def _chains(prev, call) -> bool:
     out = prev.output
-    if out is None or call.kwargs or len(call.args) != 1 or not isinstance(call.args[0], torch.Tensor):
+    if out is None or not call.args or not isinstance(call.args[0], torch.Tensor):
         return False
-    if not call.signature.positional_tensors:
+    if not shares_context(prev, call):
         return False
     if call.input_version is None or call.input_version != prev.output_version:
         return False  # changed in place between the two calls
@@ -45,6 +50,30 @@ def _chains(prev, call) -> bool:
     if _module_hooks_between(prev.layer.module, call.layer.module):
         return False  # a hook between the two calls would run when the segment already computed both
     return _same_tensor(call.args[0], out)
+
+
+def shares_context(prev, call) -> bool:
+    """Every argument of recorded ``call`` after its first is shared context: the same as the corresponding
+    argument of ``prev`` (same structure of ``(args, kwargs)``): a tensor with the same storage, shape, strides and
+    dtype that requires no gradient and was not changed in place between the two calls, or an equal constant
+    (``None``, a bool, int, float or string). Pairwise: a call with context follows one with the same context,
+    back to the run's first call, so that context existed before the run's first member ran. True for a call
+    whose only argument is its first (whatever ``prev`` was called with)."""
+    if not call.kwargs and len(call.args) == 1:
+        return True
+    a, b = prev.signature, call.signature
+    if a.spec != b.spec or prev.context_versions != call.context_versions:
+        return False
+    theirs, _ = tree_flatten((prev.args, prev.kwargs))
+    ours, _ = tree_flatten((call.args, call.kwargs))
+    for i in range(1, len(ours)):
+        x, y = ours[i], theirs[i]
+        if b.is_tensor[i]:
+            if not a.is_tensor[i] or a.metas[i].requires_grad or b.metas[i].requires_grad or not _same_tensor(x, y):
+                return False
+        elif a.is_tensor[i] or type(x) not in CONSTANTS or not _same_value(x, y):
+            return False
+    return True
 
 
 def breaks_between(prev, call) -> bool:

@@ -20,17 +20,26 @@ import torch
 
 from ... import torch_compat
 from . import node
+from .context import has_context
 from .errors import SegmentError
 
 #: what :func:`follow` returns when the member replays through its own node
 NOT_HANDED = object()
 
 
-def launch(replay, segment, tensors: Sequence[torch.Tensor]):
+def launch(replay, segment, tensors: Sequence[torch.Tensor], args: tuple, kwargs: dict):
     """The first call of a segment replayed through one autograd node: its output (:func:`.node.launch`)."""
+    start(segment, args, kwargs)
     out = node.launch(segment, tensors, replay.device)
     replay.count_replay(segment.node_runners[0])
     return out
+
+
+def start(segment, args: tuple, kwargs: dict) -> None:
+    """At a segment's launch (its first call, ``args`` and ``kwargs``): keep its shared context, if its members
+    take one, for the following members' checks (:class:`.context.SharedContext`)."""
+    if segment.context is not None:
+        segment.context.start(args, kwargs)
 
 
 def follow(replay, layer, runner, args: tuple, kwargs: dict):
@@ -40,7 +49,8 @@ def follow(replay, layer, runner, args: tuple, kwargs: dict):
 
     Raises:
         SegmentError: naming the layer, when it got a forward pre-hook after capture, or when the call is not
-            what the segment computed for it (:func:`.node.follow`).
+            what the segment computed for it (:func:`.node.follow`; without one node: other arguments than the
+            shared context of the segment's first call, :meth:`.context.SharedContext.check`).
     """
     if torch_compat.module_hooks(layer.module)["forward_pre_hooks"]:
         raise SegmentError(
@@ -54,11 +64,21 @@ def follow(replay, layer, runner, args: tuple, kwargs: dict):
         out = node.follow(runner, args, kwargs, replay.device)
         if out is None:  # the segment's first call ran eagerly in this pass: so does the rest
             return replay.eager(layer, args, kwargs)
+        _done(segment, runner)
         replay.count_replay(runner)
         return out
     if not segment.launched_for(runner):
         return replay.eager(layer, args, kwargs)
+    if has_context(runner):  # the segment's graph ran this member on the first call's shared context
+        segment.context.check(runner, args, kwargs)
+    _done(segment, runner)
     return NOT_HANDED
+
+
+def _done(segment, runner) -> None:
+    """After the checks of a following member's call: the last member's releases the shared context."""
+    if segment.context is not None and runner is segment.member_runners[-1]:
+        segment.context.release()
 
 
 def refuse_other_arguments(layer, runner, args: tuple, kwargs: dict) -> None:

@@ -39,6 +39,8 @@ class SegmentState:
         self.member_runners = None
         self.handed = None  # this pass's :class:`~.node.HandedOutputs`
         self.members_draw = False  # a member drew random numbers in the recorded step
+        #: a :class:`~.context.SharedContext` when following members take arguments besides the chained one
+        self.context = None
 
     def launched_for(self, runner) -> bool:
         """True when the segment's forward launched since ``runner`` last replayed."""

@@ -29,6 +29,7 @@ from ...torch_compat import VERSION as _VERSION, grad_hooks
 from ..buffer_reuse import check_shared_inputs
 from ..replay_node import check_leaves_accumulate, check_second_backward
 from .chains import rng_moved, rng_state
+from .context import has_context
 from .errors import SegmentError
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -117,7 +118,8 @@ def follow(runner, args: tuple, kwargs: dict, device: torch.device):
 
     Raises:
         SegmentError: naming the layer, when the call is not what the segment computed for it: another
-            argument than the previous member's output itself, other autocast or train/eval settings, an
+            argument than the previous member's output itself, other arguments than the shared context of the
+            segment's first call (:meth:`.context.SharedContext.check`), other autocast or train/eval settings, an
             in-place change of that output or of the layer's parameters since the launch, a gradient hook on
             that output, or (last member) a random draw between the calls of a segment whose layers draw.
     """
@@ -127,13 +129,16 @@ def follow(runner, args: tuple, kwargs: dict, device: torch.device):
         return None
     expected, out, versions = entry
     name = runner.name
-    if kwargs or len(args) != 1 or args[0] is not expected:
+    context = has_context(runner)
+    if not args or args[0] is not expected or (not context and (kwargs or len(args) != 1)):
         raise SegmentError(
             f"graphed {name!r} is inside a segment (graphs.segments=true) whose graphs already ran for this pass, "
             "but it was not called with the previous layer's output itself (another tensor, a view or a detached "
             "copy of it, or extra arguments). A segment replays all or none of its layers. Keep the chain "
             "x = layer(x), or set graphs.segments=false for this model."
         )
+    if context:
+        segment.context.check(runner, args, kwargs)  # the first call's other arguments: SegmentError
     if not runner.settings.match():
         raise SegmentError(
             f"graphed {name!r} is inside a segment (graphs.segments=true) whose graphs already ran for this pass, "
@@ -175,15 +180,17 @@ class SegmentFunction(torch.autograd.Function):
         ctx.backward_ran = False
         ctx.runners = runners
         ctx.runner = runners[0]
-        x = tensors[: runners[0].num_inputs]
+        outs = tensors[: runners[0].num_inputs]
         flat, sizes, generations, non_diff = [], [], [], []
         for r in runners:
+            # a following member: the previous member's output, then its shared context (the static inputs the
+            # launch filled: nothing to copy)
+            x = outs if r is runners[0] else (*outs, *r.static_inputs[len(outs):])
             outs = r.replay_forward(x)
             generations.append(r.forward_generation)
             sizes.append(len(outs))
             non_diff.extend(o for o, g in zip(outs, r.output_requires_grad) if not g)
             flat.extend(outs)
-            x = outs
         ctx.sizes = sizes
         ctx.generations = generations
         ctx.edge_counts = [len(r.apply_edges) for r in runners]
