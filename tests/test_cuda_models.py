@@ -2,7 +2,7 @@
 
 transformers Llama, GPT-2, BERT (masked LM), T5 and torchvision's resnet18, random weights from tiny configs.
 Deterministic kernels (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG``, eager attention):
-weights equal bit for bit, except T5 on the GPU (within 1e-6 relative, measured 6.65e-8; docs/limitations.md). Each case prints one line: graphed calls, segments, loss and weight difference to ``"ddp"`` and
+weights equal bit for bit. Each case prints one line: graphed calls, segments, loss and weight difference to ``"ddp"`` and
 ``"ddp"``'s own run-to-run spread. Run on the GPU machine: ``pytest -m cuda -s tests/test_cuda_models.py``.
 """
 
@@ -97,10 +97,7 @@ def test_cuda_transformers_models_equal_ddp(deterministic, model, precision):
         "bert": lambda: hf.tiny_bert(attn_implementation="eager"),
         "t5": hf.tiny_t5,
     }[model]
-    # T5 on the GPU: 6.65e-8 relative, open (bit for bit on the CPU's eager backend, where the cross-attention
-    # input's gradient pieces are handed back one by one; docs/limitations.md)
-    _compare(model, lambda strategy, p: _fit_tokens(strategy, build, p), precision,
-             tolerance=1e-6 if model == "t5" else 0.0)
+    _compare(model, lambda strategy, p: _fit_tokens(strategy, build, p), precision)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

@@ -130,9 +130,12 @@ def mark_inputs_used_elsewhere(loss: torch.Tensor, calls: List[CallRecord]) -> N
     watched = [c for c in calls if c.input_nodes and c.output_nodes]
     if root is not None and watched:
         owners: dict = {}  # id(input node) -> [(call, ids of the call's own nodes, [inside edges, outside edges])]
+        alive = []  # the node wrappers whose ids are compared: kept until the walk ends (ids stay identities)
         for call in watched:
             stops = {id(n) for n in call.input_nodes}
-            own = {id(n) for n in _nodes_above(call.output_nodes, stops)}
+            nodes = _nodes_above(call.output_nodes, stops)
+            alive.append(nodes)
+            own = {id(n) for n in nodes}
             for node in call.input_nodes:
                 owners.setdefault(id(node), []).append((call, own, [0, 0]))
         for node, nxt in autograd_edges(root):
