@@ -1,6 +1,7 @@
 """What every peer of the step-time benchmark shares: sizes, settings, data, optimizer, timing, cleanup.
 
-Every peer trains ``examples.gpt.GPT`` with the same sizes, the same random-token batches (fixed seed), bf16
+Every peer trains the same model (``benchmarks.models``: the example GPT or a ``transformers`` Llama) with the
+same sizes, the same random-token batches (fixed seed), bf16
 autocast over fp32 weights, and AdamW (``fused=True`` on a GPU) with the same parameter groups. Each peer is
 timed the same way: ``warmup`` steps, then ``repeats`` windows of ``steps`` steps, with a device
 synchronization at each window boundary only, so the CPU may run ahead inside a window as in real training.
@@ -54,6 +55,7 @@ class RunSettings:
     weight_decay: float = 0.1
     cg_warmup_steps: int = 2
     data_batches: int = 8
+    model: str = "gpt"  #: ``benchmarks.models.MODELS``
 
     @property
     def is_cuda(self) -> bool:
@@ -123,12 +125,13 @@ class BatchDataset(torch.utils.data.Dataset):
 # ----------------------------------------------------------------------------- model, optimizer, loss
 
 
-def build_gpt(s: RunSettings) -> nn.Module:
-    """``examples.gpt.GPT`` for this size, initialised from ``s.seed``, in train mode on ``s.device``."""
-    from examples.gpt import GPT
+def build_model(s: RunSettings) -> nn.Module:
+    """``s.model`` (``benchmarks.models``) for this size, initialised from ``s.seed``, in train mode on
+    ``s.device``."""
+    from benchmarks.models import build
 
     torch.manual_seed(s.seed)
-    return GPT(**s.gpt_kwargs()).to(s.device).train()
+    return build(s.model, s.size, s.vocab_size).to(s.device).train()
 
 
 def make_optimizer(

@@ -21,14 +21,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from benchmarks.common import SIZES, RunSettings, autocast, build_gpt, lm_loss, make_batches, make_optimizer
+from benchmarks.common import SIZES, RunSettings, autocast, build_model, lm_loss, make_batches, make_optimizer
 
 MODES = ("eager", "compile_default", "compile_reduce_overhead")
 
 
 def _run(mode: str, s: RunSettings, steps: int, bf16: bool) -> Dict[str, object]:
     batches = make_batches(s)
-    model = build_gpt(s)
+    model = build_model(s)
     names = [n for n, _ in model.named_parameters()]
     if mode == "compile_default":
         fwd = torch.compile(model)

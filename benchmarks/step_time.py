@@ -1,24 +1,30 @@
-"""Step time of the example GPT under eleven training setups, side by side in one process.
+"""Step time of the example GPT or a transformers Llama under seventeen training setups, side by side in one process.
 
 On a GPU, from the repository root::
 
     python -m benchmarks.step_time --sizes tiny small compute          # all peers, 5 x 30 timed steps
     python -m benchmarks.step_time --sizes tiny --peers lightning_ddp cudagraph_ddp --repeats 7
+    python -m benchmarks.step_time --model llama --sizes tiny small      # the same peers on a transformers Llama
     python -m benchmarks.step_time --smoke --out /tmp/bench             # CPU, 2 steps a peer: code paths only
 
-Peers (same GPT, random-token data, bf16 autocast over fp32 weights, AdamW(fused=True) on GPU):
+Peers (same model, random-token data, bf16 autocast over fp32 weights, AdamW(fused=True) on GPU):
 
-* ``lightning_ddp``: Lightning ``strategy="ddp"``, eager.
+* ``lightning_ddp``: Lightning ``strategy="ddp"``, eager; ``lightning_ddp_compile``: the same with the model wrapped
+  in ``torch.compile`` inside the LightningModule.
 * ``torch_ddp``: plain loop over torch ``DistributedDataParallel`` (world size 1), eager.
-* ``torch_ddp_graphed``: the same with ``torch.cuda.make_graphed_callables`` on every block.
-* ``compile_reduce_overhead``: ``torch.compile(model, mode="reduce-overhead")``, plain loop.
+* ``torch_ddp_graphed``: the same with ``torch.cuda.make_graphed_callables`` on every block (GPT only: its blocks
+  take one tensor).
+* ``compile_default``: ``torch.compile(model)``, plain loop; ``compile_reduce_overhead``: with
+  ``mode="reduce-overhead"`` (Inductor's CUDA graphs too).
 * ``whole_step_graph``: forward, backward and optimizer step in one CUDA graph (the limit).
 * ``cudagraph_ddp``: Lightning with this project's strategy and its defaults (segments, direct grad-ready, the
   fused AdamW step on cached tensor lists); ``cudagraph_ddp_layers``: one graph per block call, those three off;
   ``cudagraph_ddp_nocache``: the defaults with ``optimizer.step()`` as is; ``cudagraph_ddp_opt``: the defaults
   plus the optimizer step replayed from a graph (``graphs.capture_optimizer=True``, opt-in: not bit-exact);
   ``cudagraph_ddp_glue``: the defaults plus the embeddings, final norm and head graphed (``graphs.layers``);
-  ``cudagraph_ddp_head``: the defaults plus the final norm and head graphed (the blocks' segment continues there).
+  ``cudagraph_ddp_head``: the defaults plus the final norm and head graphed (the blocks' segment continues there);
+  ``cudagraph_ddp_whole``: the whole forward one graphed call; ``cudagraph_ddp_compile`` and
+  ``cudagraph_ddp_whole_compile``: those with ``graphs.compile`` (Inductor's kernels captured in the graphs).
 
 Each peer runs ``--warmup`` steps, then ``--repeats`` windows of ``--steps`` steps; the device is synchronized at
 window boundaries only. Reported per size and peer: median ms/step, min/max over the windows, ratios to
@@ -55,6 +61,7 @@ from benchmarks.common import (
     mib,
     optimizer_description,
 )
+from benchmarks.models import LLAMA_VOCAB_SIZE, MODELS
 from benchmarks.peers import PEER_NAMES, Peer, all_peers
 
 DEFAULTS = dict(warmup=10, steps=30, repeats=5)
@@ -72,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    ap.add_argument("--model", default="gpt", choices=MODELS,
+                    help="the example GPT or a transformers Llama of the same size (default gpt)")
     ap.add_argument("--sizes", nargs="+", default=None, metavar="SIZE",
                     help=f"model sizes, of {', '.join(SIZES)} (default: all)")
     ap.add_argument("--peers", nargs="+", default=None, metavar="PEER",
@@ -79,7 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; smoke 1)")
     ap.add_argument("--steps", type=int, default=None, help="steps per timed window (default 30; smoke 1)")
     ap.add_argument("--repeats", type=int, default=None, help="timed windows (default 5; smoke 2)")
-    ap.add_argument("--vocab", type=int, default=None, help=f"vocabulary size (default {VOCAB_SIZE})")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help=f"vocabulary size (default {VOCAB_SIZE} for the GPT, {LLAMA_VOCAB_SIZE} for the Llama)")
     ap.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--graph-warmup-steps", type=int, default=None,
@@ -115,7 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(a, key) is None:
             setattr(a, key, value)
     if a.vocab is None:
-        a.vocab = SMOKE_VOCAB_SIZE if a.smoke else VOCAB_SIZE
+        a.vocab = SMOKE_VOCAB_SIZE if a.smoke else (LLAMA_VOCAB_SIZE if a.model == "llama" else VOCAB_SIZE)
     if a.graph_warmup_steps is None:
         a.graph_warmup_steps = 1 if a.smoke else 2
     if a.warmup < 1 or a.steps < 1 or a.repeats < 1:
@@ -128,6 +138,7 @@ def settings_for(a: argparse.Namespace, size_name: str, device: torch.device) ->
     return RunSettings(
         device=device, size_name=size_name, size=dict(size), vocab_size=a.vocab, warmup=a.warmup,
         steps=a.steps, repeats=a.repeats, seed=a.seed, lr=a.lr, cg_warmup_steps=a.graph_warmup_steps,
+        model=a.model,
     )
 
 
@@ -136,6 +147,9 @@ def run_peer(peer: Peer, s: RunSettings) -> Dict[str, Any]:
     row: Dict[str, Any] = {"size": s.size_name, "peer": peer.name}
     if peer.needs_cuda and not s.is_cuda:
         row.update(status="skipped", reason="needs CUDA")
+        return row
+    if s.model not in peer.models:
+        row.update(status="skipped", reason=f"runs only on {', '.join(peer.models)}")
         return row
     free_memory(s.device)
     if s.is_cuda:
@@ -223,6 +237,7 @@ def main(argv=None) -> int:
         "argv": sys.argv[1:] if argv is None else list(argv),
         "environment": env,
         "settings": {
+            "model": a.model,
             "smoke": a.smoke,
             "vocab_size": a.vocab,
             "seed": a.seed,
@@ -233,8 +248,10 @@ def main(argv=None) -> int:
             "steps": a.steps,
             "repeats": a.repeats,
             "cudagraph_ddp_graph_warmup_steps": a.graph_warmup_steps,
-            "lightning_module": "examples.gpt.GPTLightningModule with training_step = cross-entropy of model(x) "
-                                "as in the plain loops, no per-step self.log",
+            "lightning_module": ("examples.gpt.GPTLightningModule" if a.model == "gpt" else
+                                 "a LightningModule holding benchmarks.models.LlamaLM")
+                                + " with training_step = cross-entropy of model(x) as in the plain loops, no per-step "
+                                  "self.log",
             "data_loading": "pre-made CPU batches (pinned on GPU), moved with .to(device, non_blocking=True); "
                             "Lightning: DataLoader(batch_size=None), use_distributed_sampler=False",
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -244,7 +261,7 @@ def main(argv=None) -> int:
         "results": rows,
     }
     os.makedirs(a.out, exist_ok=True)
-    what = "step_time" + (f"-{a.tag}" if a.tag else "")
+    what = "step_time" + ("-llama" if a.model == "llama" else "") + (f"-{a.tag}" if a.tag else "")
     stem = os.path.join(a.out, report.result_name(what, "-".join(a.sizes), report.machine_slug(env), date=env["date"]))
     report.write_json(doc, stem + ".json")
     text = report.markdown(doc)

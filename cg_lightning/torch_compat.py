@@ -160,6 +160,13 @@ def reentrant_checkpoint_calls(direct: Callable) -> Iterator[None]:
             del cls.apply
 
 
+# ------------------------------------------------------------------------- torch.compile
+def is_compiled(fn: Callable) -> bool:
+    """Whether ``fn`` is a ``torch.compile`` wrapper: dynamo marks the functions it wraps with
+    ``_torchdynamo_orig_callable`` (graphs.compile keeps a forward the user compiled as it is)."""
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
+
 # ------------------------------------------------------------------------- memory
 def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor viewing ``t``'s memory without keeping it allocated (``torch._C._construct_storage_from_data_pointer``):

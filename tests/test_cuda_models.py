@@ -1,6 +1,7 @@
 """Models nobody here wrote, with real CUDA graphs, against Lightning's ``"ddp"`` on the same seed and batches.
 
-transformers Llama, GPT-2, BERT (masked LM), T5 and torchvision's resnet18, random weights from tiny configs.
+transformers Llama, GPT-2, BERT (masked LM), T5 and torchvision's resnet18, random weights from tiny configs; the
+Llama's layers compiled by Inductor (``graphs.compile``, or by the user) against the same compiled layers.
 Deterministic kernels (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG``, eager attention):
 weights equal bit for bit. Each case prints one line: graphed calls, segments, loss and weight difference to ``"ddp"`` and
 ``"ddp"``'s own run-to-run spread. Run on the GPU machine: ``pytest -m cuda -s tests/test_cuda_models.py``.
@@ -13,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule, seed_everything
+from lightning.pytorch import Callback, LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import cg_strategy, make_trainer, state_rel_diff
@@ -104,3 +105,71 @@ def test_cuda_transformers_models_equal_ddp(deterministic, model, precision):
 def test_cuda_resnet18_equal_ddp(deterministic, precision):
     pytest.importorskip("torchvision")
     _compare("resnet18", _fit_resnet, precision)
+
+
+class KernelCount(Callback):
+    """Profiles the device kernels of one training step (``at``: its batch index) and counts Inductor's
+    (named ``triton_*``) among them."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.kernels = self.triton = 0
+        self._prof = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at:
+            torch.cuda.synchronize()
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self._prof.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at:
+            torch.cuda.synchronize()
+            self._prof.__exit__(None, None, None)
+            names = [e.name for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            self.kernels, self.triton = len(names), sum("triton" in n for n in names)
+
+
+def _compiled_layers(model):
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=False)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_cuda_compiled_layers_equal_the_same_compiled_layers_under_ddp(deterministic, precision):
+    """graphs.compile (Inductor's kernels captured in the layer graphs), and layers the user compiled under the
+    strategy, against the same compiled layers under ``"ddp"``: compiling changes the rounding, so the compiled
+    model under ``"ddp"`` is the reference. A replayed step launches Inductor's kernels."""
+    hf = pytest.importorskip("tests.hf_models")
+
+    def build():
+        return hf.tiny_llama(attn_implementation="eager")
+
+    def fit(strategy, prepare=None, probe=None):
+        torch._dynamo.reset()
+        rec = GradRecorder()
+        module, trainer = hf.fit_hf(strategy, build, steps=STEPS, callbacks=[rec] + ([probe] if probe else []),
+                                    prepare=prepare, trainer_kwargs=dict(accelerator="gpu", precision=precision))
+        return module, rec
+
+    ref_probe = KernelCount(at=STEPS - 2)
+    ref, ref_rec = fit("ddp", _compiled_layers, ref_probe)
+    again, _ = fit("ddp", _compiled_layers)
+    spread = state_rel_diff(again.state_dict(), ref.state_dict())
+    for what, strategy, prepare in [("graphs.compile", cg_strategy("cuda", compile=True), None),
+                                    ("user-compiled", cg_strategy("cuda"), _compiled_layers)]:
+        probe = KernelCount(at=STEPS - 2)
+        got, rec = fit(strategy, prepare, probe)
+        stats = strategy.last_graph_stats
+        weights = state_rel_diff(got.state_dict(), ref.state_dict())
+        losses = max(abs(a - b) for a, b in zip(rec.losses, ref_rec.losses))
+        print(f"llama {what} {precision}: graphed calls {stats.captured_runners}, segments {stats.segments}, "
+              f"compile {stats.compile_seconds:.1f} s, capture {stats.capture_seconds:.2f} s, replayed step "
+              f"{probe.kernels} kernels ({probe.triton} Inductor), ddp step {ref_probe.kernels} ({ref_probe.triton}), "
+              f"loss diff {losses:.3g}, weight diff {weights:.3g}, ddp spread {spread:.3g}")
+        assert stats.backend == "cuda" and stats.captured_runners == 3 and stats.forward_replays > 0, stats
+        assert probe.triton > 0, "the replayed graphs launch no Inductor kernel: the compiled forward was not captured"
+        assert weights <= spread, (what, weights, spread)
+        if spread == 0.0:
+            for (key, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
+                assert torch.equal(a, b), (what, key)

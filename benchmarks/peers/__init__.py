@@ -7,7 +7,7 @@ Each module defines ``PEER``: a :class:`Peer` whose ``run(settings)`` trains the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 from benchmarks.common import PeerResult, RunSettings
 
@@ -18,11 +18,13 @@ class Peer:
     run: Callable[[RunSettings], PeerResult]
     needs_cuda: bool
     description: str
+    models: Tuple[str, ...] = ("gpt", "llama")  #: the models of ``benchmarks.models`` it runs (others: skipped)
 
 
 def all_peers() -> Dict[str, Peer]:
     """Name -> peer, in run order."""
     from . import (
+        compile_default,
         compile_reduce_overhead,
         cudagraph_ddp,
         lightning_ddp,
@@ -33,8 +35,10 @@ def all_peers() -> Dict[str, Peer]:
 
     peers = [
         lightning_ddp.PEER,
+        lightning_ddp.PEER_COMPILE,
         torch_ddp.PEER,
         torch_ddp_graphed.PEER,
+        compile_default.PEER,
         compile_reduce_overhead.PEER,
         whole_step_graph.PEER,
         cudagraph_ddp.PEER,
@@ -43,14 +47,19 @@ def all_peers() -> Dict[str, Peer]:
         cudagraph_ddp.PEER_OPT,
         cudagraph_ddp.PEER_GLUE,
         cudagraph_ddp.PEER_HEAD,
+        cudagraph_ddp.PEER_WHOLE,
+        cudagraph_ddp.PEER_COMPILE,
+        cudagraph_ddp.PEER_WHOLE_COMPILE,
     ]
     return {p.name: p for p in peers}
 
 
 PEER_NAMES = (
     "lightning_ddp",
+    "lightning_ddp_compile",
     "torch_ddp",
     "torch_ddp_graphed",
+    "compile_default",
     "compile_reduce_overhead",
     "whole_step_graph",
     "cudagraph_ddp",
@@ -59,4 +68,7 @@ PEER_NAMES = (
     "cudagraph_ddp_opt",
     "cudagraph_ddp_glue",
     "cudagraph_ddp_head",
+    "cudagraph_ddp_whole",
+    "cudagraph_ddp_compile",
+    "cudagraph_ddp_whole_compile",
 )

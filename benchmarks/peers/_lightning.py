@@ -1,4 +1,4 @@
-"""Shared by the two Lightning peers: the LightningModule, the step clock and one timed ``Trainer.fit``."""
+"""Shared by the Lightning peers: the LightningModules, the step clock and one timed ``Trainer.fit``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 from typing import Any, List, Optional, Sequence
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
 from benchmarks.common import (
     BatchDataset,
@@ -16,6 +16,7 @@ from benchmarks.common import (
     RunSettings,
     free_port,
     lm_loss,
+    build_model,
     make_batches,
     make_optimizer,
     sync,
@@ -39,6 +40,37 @@ class BenchGPTModule(GPTLightningModule):
 
     def configure_optimizers(self):
         return make_optimizer(self.named_parameters(), self.bench_settings)
+
+
+class BenchModule(LightningModule):
+    """Any model of ``benchmarks.models`` as ``self.model``, trained like :class:`BenchGPTModule` (the Llama's
+    LightningModule; ``compile_model`` wraps it in ``torch.compile``, as Lightning users compile a model)."""
+
+    def __init__(self, s: RunSettings, compile_model: bool = False) -> None:
+        super().__init__()
+        self.model = build_model(s)
+        if compile_model:
+            self.model = torch.compile(self.model)
+        self.bench_settings = s
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return lm_loss(self.model(x), y)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.named_parameters(), self.bench_settings)
+
+
+def make_module(s: RunSettings, compile_model: bool = False) -> LightningModule:
+    """The example's own LightningModule for the GPT (:class:`BenchGPTModule`), :class:`BenchModule` otherwise
+    and whenever the model is compiled."""
+    if s.model == "gpt" and not compile_model:
+        module = BenchGPTModule(
+            **s.gpt_kwargs(), lr=s.lr, weight_decay=s.weight_decay, betas=s.betas, warmup_lr_steps=0
+        )
+        module.bench_settings = s
+        return module
+    return BenchModule(s, compile_model)
 
 
 class StepClock(Callback):
@@ -79,18 +111,17 @@ class StepClock(Callback):
         return LoopTiming(ms, self.marks[0] - self.start, [], self.last_loss)
 
 
-def fit_timed(s: RunSettings, strategy: Any, callbacks: Sequence[Callback] = ()) -> "tuple[LoopTiming, Trainer]":
+def fit_timed(s: RunSettings, strategy: Any, callbacks: Sequence[Callback] = (),
+              compile_model: bool = False) -> "tuple[LoopTiming, Trainer]":
     """``Trainer(strategy=..., devices=1, precision="bf16-mixed").fit`` for ``s.total_steps`` steps on the
     benchmark's batches; returns the clock's timing and the trainer (for the strategy's stats). ``callbacks``
-    join the step clock (the profiling tools' marks)."""
+    join the step clock (the profiling tools' marks); ``compile_model``: the model wrapped in ``torch.compile``
+    (:func:`make_module`)."""
     # A fresh port for Lightning's process group; the previous peer's group has been destroyed.
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     seed_everything(s.seed, verbose=False)
-    module = BenchGPTModule(
-        **s.gpt_kwargs(), lr=s.lr, weight_decay=s.weight_decay, betas=s.betas, warmup_lr_steps=0
-    )
-    module.bench_settings = s
+    module = make_module(s, compile_model)
     loader = torch.utils.data.DataLoader(
         BatchDataset(make_batches(s), s.total_steps), batch_size=None, shuffle=False, num_workers=0
     )

@@ -14,7 +14,7 @@ import torch
 from benchmarks.common import (
     PeerResult,
     RunSettings,
-    build_gpt,
+    build_model,
     excess_warmup_s,
     loss_value,
     make_batches,
@@ -41,7 +41,7 @@ def reset_compiler() -> None:
 
 def _measure(s: RunSettings) -> PeerResult:
     batches = make_batches(s)
-    model = build_gpt(s)
+    model = build_model(s)
     compiled = torch.compile(model, mode="reduce-overhead")
     optimizer = make_optimizer(model.named_parameters(), s)
     step = make_train_step(compiled, optimizer, s, before_step=torch.compiler.cudagraph_mark_step_begin)

@@ -5,57 +5,72 @@ defaults without ``cached_optimizer_step``: what the cached step saves), ``cudag
 plus ``capture_optimizer``: the step replayed from a graph, opt-in because not bit-exact),
 ``cudagraph_ddp_glue`` (the defaults with the embeddings, final norm and head graphed too) and
 ``cudagraph_ddp_head`` (the defaults with the final norm and head graphed too: the blocks' segment continues into
-the head, the embeddings stay eager)."""
+the head, the embeddings stay eager), ``cudagraph_ddp_whole`` (the whole model's forward as one graphed call:
+``graphs.layers=["model"]``), ``cudagraph_ddp_compile`` (the defaults plus ``graphs.compile``: the blocks compiled
+by Inductor, then captured) and ``cudagraph_ddp_whole_compile`` (the whole model compiled and captured as one
+call). The layer patterns of each model are ``benchmarks.models.LAYERS``."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from benchmarks.common import PeerResult, RunSettings, loss_value
+from benchmarks.models import LAYERS
 from benchmarks.peers import Peer
 
-
-GLUE_LAYERS = ["model.tok_emb", "model.pos_emb", "model.blocks.*", "model.ln_f", "model.lm_head"]
-HEAD_LAYERS = ["model.blocks.*", "model.ln_f", "model.lm_head"]
-
 # the graphs options of each peer beyond the defaults (also what benchmarks.diagnostics.profile_step,
-# host_phases and device_work build the strategy from)
+# host_phases and device_work build the strategy from); "layers" names a variant of benchmarks.models.LAYERS
 _OFF = {"segments": False, "direct_grad_ready": False, "cached_optimizer_step": False}
 GRAPHS_OF = {
     "cudagraph_ddp": {},
     "cudagraph_ddp_layers": _OFF,
     "cudagraph_ddp_nocache": {"cached_optimizer_step": False},
     "cudagraph_ddp_opt": {"capture_optimizer": True},
-    "cudagraph_ddp_glue": {"layers": GLUE_LAYERS},
-    "cudagraph_ddp_head": {"layers": HEAD_LAYERS},
+    "cudagraph_ddp_glue": {"layers": "glue"},
+    "cudagraph_ddp_head": {"layers": "head"},
+    "cudagraph_ddp_whole": {"layers": "whole", "on_capture_error": "split"},
+    "cudagraph_ddp_compile": {"compile": True},
+    "cudagraph_ddp_whole_compile": {"layers": "whole", "compile": True, "on_capture_error": "split"},
 }
 
 
-def strategy_for(peer: str, warmup_steps: int = 2):
+def graphs_of(peer: str, model: str = "gpt") -> dict:
+    """The graphs options of ``peer`` beyond the defaults, its layer variant resolved for ``model``."""
+    graphs = dict(GRAPHS_OF[peer])
+    if "layers" in graphs:
+        graphs["layers"] = LAYERS[model][graphs["layers"]]
+    return graphs
+
+
+def strategy_for(peer: str, warmup_steps: int = 2, model: str = "gpt"):
     """The Lightning strategy of a Lightning peer, by name, for the profiling tools: ``"ddp"`` for
     ``lightning_ddp``, else ``CUDAGraphDDPStrategy`` with ``peer``'s graphs options."""
     if peer == "lightning_ddp":
         return "ddp"
     import cg_lightning
 
-    return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup_steps, **GRAPHS_OF[peer]})
+    return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup_steps, **graphs_of(peer, model)})
 
 
-def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, cached=None, layers=None) -> PeerResult:
-    """An option left ``None`` takes the strategy's default."""
+def run(s: RunSettings, peer: str = "cudagraph_ddp") -> PeerResult:
+    """``peer``'s options (:data:`GRAPHS_OF`) over the strategy's defaults."""
     import cg_lightning
     from benchmarks.peers._lightning import fit_timed
 
     from benchmarks.common import PROCESS_GROUP_TIMEOUT
 
-    chosen = {"capture_optimizer": capture_optimizer, "segments": segments, "direct_grad_ready": direct,
-              "cached_optimizer_step": cached}
+    graphs = graphs_of(peer, s.model)
+    capture_optimizer, cached = graphs.get("capture_optimizer"), graphs.get("cached_optimizer_step")
     strategy = cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"warmup_steps": s.cg_warmup_steps, "layers": layers,
-                **{k: v for k, v in chosen.items() if v is not None}},
-        timeout=PROCESS_GROUP_TIMEOUT,
+        graphs={"warmup_steps": s.cg_warmup_steps, **graphs}, timeout=PROCESS_GROUP_TIMEOUT,
     )
-    timing, trainer = fit_timed(s, strategy)
+    try:
+        timing, trainer = fit_timed(s, strategy)
+    finally:
+        if graphs.get("compile"):
+            from benchmarks.peers.compile_reduce_overhead import reset_compiler
+
+            reset_compiler()
     stats = getattr(trainer.strategy, "last_graph_stats", None)
     extra = {"graph_warmup_steps": s.cg_warmup_steps,
              "optimizer_replays": getattr(trainer.strategy, "last_optimizer_replays", 0),
@@ -65,6 +80,8 @@ def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, cach
     if stats is not None:
         extra["graph_stats"] = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else vars(stats)
         capture_s = float(stats.capture_seconds)
+        if graphs.get("compile"):
+            capture_s += float(stats.compile_seconds)
         if s.is_cuda and stats.backend != "cuda":
             notes.append(f"graph backend {stats.backend!r} on a GPU")
         if capture_optimizer and s.is_cuda and not extra["optimizer_replays"]:
@@ -82,7 +99,8 @@ def run(s: RunSettings, capture_optimizer=None, segments=None, direct=None, cach
         extra["note"] = "; ".join(notes)
     return PeerResult(
         timing.ms_per_step, timing.warmup_s, capture_s=capture_s,
-        capture_what="graph capture (strategy.last_graph_stats.capture_seconds)",
+        capture_what="graph capture (strategy.last_graph_stats.capture_seconds, plus compile_seconds under "
+                     "graphs.compile)",
         final_loss=loss_value(timing.last_loss), extra=extra,
     )
 
@@ -94,47 +112,31 @@ PEER = Peer("cudagraph_ddp", run, needs_cuda=False,
                         'backend on CPU)')
 
 
-def run_layers(s: RunSettings) -> PeerResult:
-    return run(s, segments=False, direct=False, cached=False)
+def _variant(name: str, needs_cuda: bool, description: str) -> Peer:
+    return Peer(name, lambda s: run(s, name), needs_cuda=needs_cuda, description=description)
 
 
-PEER_LAYERS = Peer("cudagraph_ddp_layers", run_layers, needs_cuda=False,
-                   description="cudagraph_ddp with graphs.segments, graphs.direct_grad_ready and "
-                               "graphs.cached_optimizer_step off: one graph per block call and direction, "
-                               "optimizer.step() as is")
-
-
-def run_nocache(s: RunSettings) -> PeerResult:
-    return run(s, cached=False)
-
-
-PEER_NOCACHE = Peer("cudagraph_ddp_nocache", run_nocache, needs_cuda=False,
-                    description="cudagraph_ddp with graphs.cached_optimizer_step off: optimizer.step() as is")
-
-
-def run_with_optimizer(s: RunSettings) -> PeerResult:
-    return run(s, capture_optimizer=True)
-
-
-PEER_OPT = Peer("cudagraph_ddp_opt", run_with_optimizer, needs_cuda=False,
-                description="cudagraph_ddp plus graphs.capture_optimizer=True: the AdamW step replayed from a graph "
-                            "(capturable, learning rate as a device tensor; opt-in, not bit-exact)")
-
-
-def run_glue(s: RunSettings) -> PeerResult:
-    return run(s, layers=GLUE_LAYERS)
-
-
-PEER_GLUE = Peer("cudagraph_ddp_glue", run_glue, needs_cuda=False,
-                 description="cudagraph_ddp with the glue graphed too: graphs.layers = the embeddings, "
-                             "the blocks, the final norm and the head (the loss stays eager)")
-
-
-def run_head(s: RunSettings) -> PeerResult:
-    return run(s, layers=HEAD_LAYERS)
-
-
-PEER_HEAD = Peer("cudagraph_ddp_head", run_head, needs_cuda=False,
-                 description="cudagraph_ddp with the final norm and head graphed too: graphs.layers = the blocks, "
-                             "the final norm and the head, chained into one segment (the embeddings and the loss "
-                             "stay eager)")
+PEER_LAYERS = _variant("cudagraph_ddp_layers", False,
+                       "cudagraph_ddp with graphs.segments, graphs.direct_grad_ready and graphs.cached_optimizer_step "
+                       "off: one graph per block call and direction, optimizer.step() as is")
+PEER_NOCACHE = _variant("cudagraph_ddp_nocache", False,
+                        "cudagraph_ddp with graphs.cached_optimizer_step off: optimizer.step() as is")
+PEER_OPT = _variant("cudagraph_ddp_opt", False,
+                    "cudagraph_ddp plus graphs.capture_optimizer=True: the AdamW step replayed from a graph "
+                    "(capturable, learning rate as a device tensor; opt-in, not bit-exact)")
+PEER_GLUE = _variant("cudagraph_ddp_glue", False,
+                     "cudagraph_ddp with the glue graphed too: graphs.layers = the embeddings, the blocks, the final "
+                     "norm and the head (the loss stays eager)")
+PEER_HEAD = _variant("cudagraph_ddp_head", False,
+                     "cudagraph_ddp with the final norm and head graphed too: graphs.layers = the blocks, the final "
+                     "norm and the head, chained into one segment (the embeddings and the loss stay eager)")
+PEER_WHOLE = _variant("cudagraph_ddp_whole", False,
+                      'cudagraph_ddp with graphs.layers = ["model"]: the whole forward (embeddings, rotary tables, '
+                      "mask, blocks, norm, head) one graphed call where it can be captured, else split into parts "
+                      '(graphs.on_capture_error="split"); the loss stays eager')
+PEER_COMPILE = _variant("cudagraph_ddp_compile", True,
+                        "cudagraph_ddp plus graphs.compile=True: each block's forward compiled by Inductor (no CUDA "
+                        "graphs of its own) during the warmup steps, then captured")
+PEER_WHOLE_COMPILE = _variant("cudagraph_ddp_whole_compile", True,
+                              'cudagraph_ddp_whole plus graphs.compile=True: the whole forward compiled by Inductor, '
+                              "then captured as one graph")

@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.common import (
     PeerResult,
     RunSettings,
-    build_gpt,
+    build_model,
     loss_value,
     make_batches,
     make_optimizer,
@@ -25,7 +25,7 @@ def wrap_ddp(model, s: RunSettings) -> DistributedDataParallel:
 def run(s: RunSettings) -> PeerResult:
     batches = make_batches(s)
     with single_process_group(s.device):
-        model = build_gpt(s)
+        model = build_model(s)
         ddp = wrap_ddp(model, s)
         optimizer = make_optimizer(model.named_parameters(), s)
         timing = time_loop(make_train_step(ddp, optimizer, s), batches, s)

@@ -16,7 +16,7 @@ from benchmarks.common import (
     PeerResult,
     RunSettings,
     autocast,
-    build_gpt,
+    build_model,
     loss_value,
     make_batches,
     make_optimizer,
@@ -52,7 +52,7 @@ def graph_blocks(model, s: RunSettings) -> float:
 def run(s: RunSettings) -> PeerResult:
     batches = make_batches(s)
     with single_process_group(s.device):
-        model = build_gpt(s)
+        model = build_model(s)
         capture_s = graph_blocks(model, s)
         ddp = wrap_ddp(model, s)
         optimizer = make_optimizer(model.named_parameters(), s)
@@ -67,4 +67,4 @@ def run(s: RunSettings) -> PeerResult:
 
 
 PEER = Peer("torch_ddp_graphed", run, needs_cuda=True,
-            description="torch_ddp + torch.cuda.make_graphed_callables on every block (autocast cache off)")
+            description="torch_ddp + torch.cuda.make_graphed_callables on every block (autocast cache off)", models=("gpt",))

@@ -18,7 +18,7 @@ from benchmarks.common import (
     PeerResult,
     RunSettings,
     autocast,
-    build_gpt,
+    build_model,
     lm_loss,
     loss_value,
     make_batches,
@@ -34,7 +34,7 @@ SIDE_STREAM_WARMUP = 3
 def run(s: RunSettings) -> PeerResult:
     batches = make_batches(s)
     B, T = s.size["batch_size"], s.size["block_size"]
-    model = build_gpt(s)
+    model = build_model(s)
     optimizer = make_optimizer(model.named_parameters(), s, capturable=True)
     static_x = torch.empty((B, T), dtype=torch.long, device=s.device)
     static_y = torch.empty((B, T), dtype=torch.long, device=s.device)

@@ -104,6 +104,8 @@ class GraphMonitorMixin:
         pl_module.log("graphs/replays_per_step", (stats.forward_replays - self._last_replays) / batches, on_step=True)
         pl_module.log("graphs/eager_fallbacks", float(stats.fallback_calls), on_step=True)
         pl_module.log("graphs/capture_s", float(stats.capture_seconds), on_step=True)
+        if stats.compile_seconds:
+            pl_module.log("graphs/compile_s", float(stats.compile_seconds), on_step=True)
         pl_module.log("graphs/step_time_ms", 1000.0 * (now - self._t0) / batches, on_step=True)
         pl_module.log("graphs/sets", float(stats.graph_sets), on_step=True)
         pl_module.log("graphs/pool_bytes", float(stats.pool_bytes), on_step=True)

@@ -131,7 +131,7 @@ class CallCapture:
 
         guards.refuse_capture_only_hooks(self.name, self.module)
         try:
-            with recording_bypassed_regions() as regions, refuse_host_sync():
+            with recording_bypassed_regions() as regions, refuse_host_sync(not self.compiled):
                 self._fwd = self.backend.capture(body, self.pool)
         except GraphCaptureError:
             raise
@@ -274,7 +274,7 @@ class CallCapture:
             self._autograd_outputs = None
             return
         try:
-            with graph_capture(), recording_grad_ready() as occurrences, refuse_host_sync():
+            with graph_capture(), recording_grad_ready() as occurrences, refuse_host_sync(not self.compiled):
                 self._recording = occurrences
                 self._bwd = self.backend.capture(self._backward_body, self.pool)
         except GraphCaptureError:

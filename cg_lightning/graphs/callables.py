@@ -26,6 +26,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
+from ..torch_compat import is_compiled
 from .backends import make_backend
 from .capture_order import capture_in_order
 from .relaxed_calls import RelaxedCalls
@@ -138,7 +139,7 @@ def make_graphed_callables(
             LayerGraphRunner(
                 name, module, call, CallSignature(args, kwargs), args, kwargs, engine_backend, pool,
                 accumulate_into_main_grad=False, clone_param_grads_on_return=clone_param_grads_on_return,
-                num_warmup_iters=num_warmup_iters,
+                num_warmup_iters=num_warmup_iters, compiled=is_compiled(call),
             )
         )
     owners = [m for m in modules if m is not None]

@@ -32,6 +32,7 @@ from .. import torch_compat
 from .autocast import autocast_as, autocast_state
 from .buffer_reuse import copy_into_static
 from .capture_order import preserved_training_state
+from ..torch_compat import is_compiled
 from .host_sync import hook_dicts, hooks_inside, refuse_host_sync
 from .outputs import OutputStructure, OutputStructureError, split_outputs
 from .signature import CallSignature
@@ -153,6 +154,7 @@ class EvalGraphs:
         return forward(*args, **kwargs)
 
     def _capture(self, name, module, forward, entry: _EvalEntry, args: tuple, kwargs: dict) -> None:
+        compiled = is_compiled(forward)
         hooks = hooks_inside(module)
         if hooks:
             raise RuntimeError(f"{', '.join(hooks)} would run once at capture and never at replay")
@@ -173,7 +175,7 @@ class EvalGraphs:
         before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         # the capture must change nothing: RNG states and the layer's buffers as before (the eager backend
         # runs the body once at capture; the replay that follows is this call's only run)
-        with preserved_training_state(module, [module], restore_grads=False), refuse_host_sync():
+        with preserved_training_state(module, [module], restore_grads=False), refuse_host_sync(not compiled):
             entry.graph = self.backend.capture(body, self.pool)
         entry.hook_dicts = hook_dicts(module)
         if torch.cuda.is_available():

@@ -95,6 +95,8 @@ class GraphStats:
     eager_calls: int = 0
     fallback_calls: int = 0
     capture_seconds: float = 0.0
+    #: graphs.compile: host seconds the first warmup micro-batch took beyond the last one (compilation)
+    compile_seconds: float = 0.0
     graph_sets: int = 0
     captures: int = 0
     pool_bytes: int = 0

@@ -106,10 +106,17 @@ class RefuseHostReads(TorchFunctionMode):
 
 
 class refuse_host_sync:
-    """Both refusals together (context manager): active while a forward or backward is captured."""
+    """Both refusals together (context manager): active while a forward or backward is captured.
+
+    ``enabled=False`` (a compiled forward, ``torch.compile``): nothing is refused here, since dynamo runs no
+    compiled code while a dispatch mode is active (it falls back to the uncompiled frame, and may keep doing
+    so); a host sync then fails the stream capture itself, without the user's source line."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
 
     def __enter__(self):
-        self._modes = [RefuseHostReads(), RefuseHostSync()]
+        self._modes = [RefuseHostReads(), RefuseHostSync()] if self.enabled else []
         for mode in self._modes:
             mode.__enter__()
         return self

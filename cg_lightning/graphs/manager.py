@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from . import guards, observer_hooks, outer_checkpoint
 from .backends import make_backend
+from .compiled import WarmupClock, compiled_forward
 from .eval_graphs import EvalGraphs
 from .failures import CaptureFailures
 from .graph_sets import GraphSetCache, GraphStats, describe
@@ -92,7 +93,12 @@ class GraphManager:
         self.backend = make_backend(options.backend, device) if options.enabled else None
         self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
         #: the selected layers and, after splits (on_capture_error="split"), their parts (:mod:`.splitting`)
-        self.selection = LayerSelection(select_layers(model, options.layers), self._make_dispatch)
+        wrap = None
+        if options.compile and options.enabled:  # graphs.compile (:mod:`.compiled`)
+            def wrap(forward):
+                return compiled_forward(forward, options.compile_backend, options.compile_mode)
+        self.selection = LayerSelection(select_layers(model, options.layers), self._make_dispatch, wrap)
+        self._clock = WarmupClock() if wrap is not None else None
         #: the layers dispatched, the selection's own list (a split inserts the parts; the split one runs eagerly)
         self.layers: List[GraphedLayer] = self.selection.layers
         self.cache = GraphSetCache(options.max_graph_sets)
@@ -191,6 +197,9 @@ class GraphManager:
             self._start_step = global_step
         self.cache.limit = self.options.max_graph_sets
         self._global_step = global_step
+        if self._clock is not None:
+            self._clock.tick(warming_up=not self.capture_due)
+            self.stats.compile_seconds = self._clock.compile_seconds
         for module in self.selection.held:
             outer_checkpoint.hold(module)
         self._replay.begin_step()

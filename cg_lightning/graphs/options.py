@@ -10,6 +10,7 @@ from ..option_checks import at_least, check_options, one_of
 BACKENDS = ("auto", "cuda", "eager")
 SHAPE_POLICIES = ("eager", "error", "recapture")
 CAPTURE_ERROR_POLICIES = ("raise", "eager", "split")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # Inductor modes without CUDA graphs of their own
 
 
 @dataclass
@@ -63,6 +64,15 @@ class GraphOptions:
 
     direct_grad_ready: bool = True
     """Parameters only one graphed call reaches are reported ready by its replay, not by an autograd edge."""
+
+    compile: bool = False
+    """Compile each graphed layer's forward with ``torch.compile`` (no CUDA graphs of its own) before capture; opt-in."""
+
+    compile_mode: str = field(default="default", metadata=one_of(COMPILE_MODES))
+    """``torch.compile`` mode under ``compile``: ``"default"`` or ``"max-autotune-no-cudagraphs"``."""
+
+    compile_backend: str = "inductor"
+    """``torch.compile`` backend under ``compile``: ``"inductor"`` (fused kernels) or another registered one."""
 
     def __post_init__(self) -> None:
         check_options(self, "graphs")

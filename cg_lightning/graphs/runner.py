@@ -71,8 +71,11 @@ class LayerGraphRunner(CallCapture):
         grad_output_layouts: Optional[list] = None,
         grad_ready=None,
         input_pieces: bool = False,
+        compiled: bool = False,
     ) -> None:
         self.name = name
+        #: ``call`` is a ``torch.compile`` wrapper: captured without the host-sync refusal (:mod:`.host_sync`)
+        self.compiled = compiled
         #: hand input gradients back piece by piece, in eager autograd's order (:mod:`.input_pieces`): for a
         #: call whose inputs are also used outside it (a part of a split layer)
         self.input_pieces = input_pieces

@@ -49,6 +49,12 @@ class GraphedLayer:
     parent: Optional["GraphedLayer"] = None
     depth: int = 0
     parts: Optional[List["GraphedLayer"]] = None
+    #: the module's own instance attribute ``forward`` before the dispatch was installed (a forward the user
+    #: compiled with ``layer.forward = torch.compile(layer.forward)``), put back by ``LayerSelection.remove``
+    own_forward: Optional[Callable] = None
+    #: its forward is a ``torch.compile`` wrapper (the user's or graphs.compile's): captured without the
+    #: host-sync dispatch modes, under which dynamo would run the uncompiled code (:mod:`.host_sync`)
+    compiled: bool = False
 
 
 def _own_class(module: nn.Module) -> bool:

@@ -160,6 +160,7 @@ class SetCapture:
             grad_ready=grad_ready,
             # a part's inputs are used outside it too; so were these, in the recorded step
             input_pieces=call.layer.parent is not None or call.input_used_elsewhere,
+            compiled=call.layer.compiled,
         )
 
     def _require_grad_ready(self, calls, grad_ready) -> None:

@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tupl
 import torch.nn as nn
 
 from . import outer_checkpoint
+from ..torch_compat import is_compiled
 from .guards import failure_cause
 from .selection import GraphedLayer, trainable_children
 
@@ -40,11 +41,15 @@ class LayerSelection:
     Args:
         selected: ``(qualified name, module)`` pairs (:func:`~.selection.select_layers`).
         make_dispatch: ``make_dispatch(layer)`` is the function installed as ``layer.module.forward``.
+        wrap_forward: applied to each layer's own forward when it is installed (``graphs.compile``:
+            :func:`~.compiled.compiled_forward`); ``None`` keeps it as it is.
     """
 
     def __init__(self, selected: Sequence[Tuple[str, nn.Module]],
-                 make_dispatch: Callable[[GraphedLayer], Callable]) -> None:
+                 make_dispatch: Callable[[GraphedLayer], Callable],
+                 wrap_forward: Optional[Callable[[Callable], Callable]] = None) -> None:
         self._make_dispatch = make_dispatch
+        self._wrap_forward = wrap_forward
         self.layers: List[GraphedLayer] = []
         self.held: List[nn.Module] = []  # layers whose checkpoint around __call__ moved inside (.outer_checkpoint)
         self._causes: Dict[int, str] = {}  # id(layer) -> why it was split or runs eagerly
@@ -53,18 +58,26 @@ class LayerSelection:
             self.layers.append(self._install(name, module, None))
 
     def _install(self, name: str, module: nn.Module, parent: Optional[GraphedLayer]) -> GraphedLayer:
+        own = module.__dict__.get("forward")
         forward = module.forward
+        if self._wrap_forward is not None:
+            forward = self._wrap_forward(forward)
+        compiled = is_compiled(forward)
         if outer_checkpoint.checkpoints_around_call(module):  # transformers' checkpointing layers
             forward = outer_checkpoint.checkpointed_forward(module, forward)
             self.held.append(module)
-        layer = GraphedLayer(name, module, forward, parent=parent, depth=0 if parent is None else parent.depth + 1)
+        layer = GraphedLayer(name, module, forward, parent=parent, depth=0 if parent is None else parent.depth + 1,
+                             own_forward=own, compiled=compiled)
         module.forward = self._make_dispatch(layer)
         return layer
 
     def remove(self) -> None:
-        """Give every layer (parts included) its own ``forward`` back, and checkpointing layers their function."""
+        """Give every layer (parts included) its own ``forward`` back (the user's instance attribute where it had
+        one), and checkpointing layers their function."""
         for layer in self.layers:
-            if layer.module.__dict__.get("forward") is not None:
+            if layer.own_forward is not None:
+                layer.module.forward = layer.own_forward
+            elif layer.module.__dict__.get("forward") is not None:
                 del layer.module.forward
         for module in self.held:
             outer_checkpoint.release(module)

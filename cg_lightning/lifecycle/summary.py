@@ -54,6 +54,7 @@ class CaptureSummary:
     graph_sets: int  #: graph sets captured (more than one under ``shape_policy="recapture"``)
     segments: int  #: chains of calls captured as one forward and one backward graph
     eager: Tuple[str, ...] = ()  #: what holds trainable parameters and runs eagerly (``selection.eager_modules``)
+    compile_seconds: float = 0.0  #: graphs.compile: the first warmup step's excess over the last (compilation)
 
     @classmethod
     def of(cls, manager: GraphManager) -> "CaptureSummary":
@@ -61,12 +62,13 @@ class CaptureSummary:
         stats = manager.stats
         graphed = tuple(layer.name for layer in manager.layers if layer.failure is None)
         return cls(stats.captured_runners, graphed, stats.backend, stats.capture_seconds, stats.graph_sets,
-                   stats.segments, tuple(eager_modules(manager.model, graphed)))
+                   stats.segments, tuple(eager_modules(manager.model, graphed)), stats.compile_seconds)
 
     def __str__(self) -> str:
         return (
             f"cg_lightning: captured {self.layer_calls} layer calls ({compact_names(self.layers)}) with the "
             f"{self.backend} backend in {self.seconds:.2f} s"
+            + (f" after compiling them in about {self.compile_seconds:.1f} s" if self.compile_seconds else "")
             + (f" ({self.graph_sets} graph sets)" if self.graph_sets > 1 else "")
             + (f", chained into {self.segments} segment(s)" if self.segments else "")
             + (f"; eager: {compact_names(self.eager)}" if self.eager else "")
