@@ -15,6 +15,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE = "lightning_ddp"
 LIMIT = "whole_step_graph"
+#: how the Markdown report names each model of ``benchmarks.models``
+MODEL_TEXT = {"gpt": "the example GPT", "llama": "a transformers Llama"}
+MODEL_CODE = {"gpt": "`examples.gpt.GPT`", "llama": "`transformers.LlamaForCausalLM` (`benchmarks.models.LlamaLM`)"}
 COMPILED = "compile_reduce_overhead"  #: the peer a user compares with first: torch.compile's own CUDA graphs
 REFERENCES = (BASELINE, LIMIT, COMPILED)
 
@@ -47,6 +50,8 @@ def environment(device: torch.device) -> Dict[str, Any]:
         gpu, gpu_memory = props.name, round(props.total_memory / 2**30, 1)
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
+    if os.environ.get("CG_LIGHTNING_COMMIT"):  # a copy of the tree whose .git is not its own (the GPU machines)
+        commit, status = os.environ["CG_LIGHTNING_COMMIT"], ""
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": device.type,
@@ -149,14 +154,14 @@ def markdown(doc: Dict[str, Any]) -> str:
     commit = (cg["commit"] or "unknown")[:12] + (" (uncommitted changes)" if cg.get("dirty") else "")
     where = env["gpu"] or env["device"]
     lines = [
-        f"# Step time of the example GPT on {where}",
+        f"# Step time of {MODEL_TEXT.get(st.get('model', 'gpt'), st.get('model'))} on {where}",
         "",
         f"- date {env['date']}; {where}"
         + (f" ({env['gpu_memory_gib']} GiB)" if env.get("gpu_memory_gib") else "")
         + f"; torch {env['torch']} (CUDA {env['cuda']}); Lightning {env['lightning']}; "
         f"cg_lightning {cg['version']} at {commit}; Python {env['python']}",
         f"- command: `{command_line(doc)}`",
-        f"- every peer: `examples.gpt.GPT`, vocab {st['vocab_size']}, random tokens (seed {st['seed']}, "
+        f"- every peer: {MODEL_CODE.get(st.get('model', 'gpt'), st.get('model'))}, vocab {st['vocab_size']}, random tokens (seed {st['seed']}, "
         f"{st['data_batches']} batches cycled), {st['precision']}, {st['optimizer']}",
         f"- timing: median of {st['repeats']} windows of {st['steps']} steps after {st['warmup']} warmup steps, "
         "device synchronized at window boundaries only; min/max over the windows",

@@ -105,3 +105,30 @@ def test_user_compiled_blocks_of_a_lightning_model_train_like_ddp():
 def test_compile_modes_with_cuda_graphs_of_their_own_are_refused(mode):
     with pytest.raises(ValueError, match=r"graphs\.compile_mode.*" + mode):
         GraphOptions(compile=True, compile_mode=mode)
+
+
+def test_the_whole_model_as_one_graphed_layer_splits_where_it_must_and_trains_like_ddp():
+    """``graphs.layers=["model"]`` with ``on_capture_error="split"``: the whole causal-LM forward as one graphed
+    call where the model permits. transformers' mask code reads a tensor on the host when it is not traced, so
+    eagerly the model is split down to its embeddings, decoder layers, norm and head; compiled, dynamo traces
+    that check away and the whole forward, the loss included, is one graph."""
+    ref, _ = fit_hf("ddp", tiny_llama, steps=5)
+    got, trainer = fit_hf(cg_strategy(layers=["model"], on_capture_error="split"), tiny_llama, steps=5)
+    stats = trainer.strategy.last_graph_stats
+    assert "model" in stats.split_layers and "model.model" in stats.split_layers, stats
+    assert {"model.lm_head", "model.model.embed_tokens", "model.model.norm"} <= set(stats.graphed_parts), stats
+    assert stats.fallback_calls == 0
+    assert_same_weights(got.model, ref.model)
+
+    torch._dynamo.reset()
+
+    def compile_model(model):
+        model.forward = torch.compile(model.forward, backend="aot_eager", dynamic=False)
+
+    ref, _ = fit_hf("ddp", tiny_llama, steps=5, prepare=compile_model)
+    torch._dynamo.reset()
+    got, trainer = fit_hf(cg_strategy(layers=["model"], on_capture_error="split", compile=True,
+                                      compile_backend="aot_eager"), tiny_llama, steps=5)
+    stats = trainer.strategy.last_graph_stats
+    assert stats.captured_runners == 1 and stats.split_layers == [] and stats.fallback_calls == 0, stats
+    assert_same_weights(got.model, ref.model)

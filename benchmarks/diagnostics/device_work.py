@@ -28,6 +28,7 @@ from lightning.pytorch import Callback
 
 from benchmarks.common import SIZES, VOCAB_SIZE, RunSettings, sync
 from benchmarks.diagnostics.trace_gaps import analyse
+from benchmarks.models import LLAMA_VOCAB_SIZE, MODELS
 
 
 def _profiler():
@@ -61,7 +62,7 @@ class _Window(Callback):
 
 
 #: peers timed by a plain loop (``benchmarks.common.time_loop``): profiled by swapping their module's loop
-_PLAIN_LOOP = ("whole_step_graph", "compile_reduce_overhead", "torch_ddp", "torch_ddp_graphed")
+_PLAIN_LOOP = ("whole_step_graph", "compile_reduce_overhead", "compile_default", "torch_ddp", "torch_ddp_graphed")
 
 
 def _plain_loop(s: RunSettings, peer_name: str, warmup: int, steps: int, ahead_ms: float = 0.0):
@@ -97,13 +98,14 @@ def _lightning(s: RunSettings, peer: str, warmup: int, steps: int, ahead_ms: flo
     from benchmarks.peers.cudagraph_ddp import strategy_for
 
     window = _Window(warmup, steps, ahead_ms)
-    lit.fit_timed(s, strategy_for(peer), callbacks=[window])
+    lit.fit_timed(s, strategy_for(peer, model=s.model), callbacks=[window])
     return window.prof
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.diagnostics.device_work", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    ap.add_argument("--model", default="gpt", choices=MODELS)
     ap.add_argument("--peers", nargs="+", default=["whole_step_graph", "cudagraph_ddp"])
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30)
@@ -117,11 +119,13 @@ def main(argv=None) -> None:
     from benchmarks import report
 
     env = report.environment(torch.device("cuda"))
-    path = os.path.join(a.out, report.result_name("device_work", a.size, report.machine_slug(env), "txt", env["date"]))
+    what = "device_work" + ("-llama" if a.model == "llama" else "")
+    path = os.path.join(a.out, report.result_name(what, a.size, report.machine_slug(env), "txt", env["date"]))
     command = " ".join(["python", "-m", "benchmarks.diagnostics.device_work", *(sys.argv[1:] if argv is None else argv)])
     sections = [f"# {report.stamp(env)}\n# command: {command}\n"]
     for peer in a.peers:
-        s = RunSettings(device=torch.device("cuda"), size_name=a.size, size=SIZES[a.size], vocab_size=VOCAB_SIZE,
+        s = RunSettings(device=torch.device("cuda"), size_name=a.size, size=SIZES[a.size], model=a.model,
+                        vocab_size=LLAMA_VOCAB_SIZE if a.model == "llama" else VOCAB_SIZE,
                         warmup=a.warmup + a.steps + 1, steps=1, repeats=1)
         ahead = a.host_ahead_ms
         prof = (_plain_loop(s, peer, a.warmup, a.steps, ahead) if peer in _PLAIN_LOOP

@@ -36,8 +36,9 @@ def watch_grad_layouts(out) -> List[Optional[Tuple[int, ...]]]:
     return layouts
 
 
-def _note_layout(layouts: list, i: int, grad: torch.Tensor) -> None:
-    layouts[i] = tuple(grad.stride())
+def _note_layout(layouts: list, i: int, grad: Optional[torch.Tensor]) -> None:
+    if grad is not None:  # a compiled function's output the loss does not reach is handed None
+        layouts[i] = tuple(grad.stride())
 
 
 def _dense_layout(shape: Sequence[int], stride: Sequence[int]) -> bool:
