@@ -2,9 +2,9 @@
 
 The distributed optimizer (``ddp.distributed_optimizer``) reduce-scatters each gradient bucket into this rank's
 shard of it and all-gathers the updated parameter shards. torch's ``reduce_scatter_tensor`` and
-``all_gather_into_tensor`` do that with one flat input and one flat output, in place (the shard is a slice of the
-bucket); NCCL and gloo have both in torch 2.11 and 2.13 (checked on CPU with 2 and 4 processes, in place and out of
-place). A backend that refuses one raises at the call; from then on this module takes the fallback for that
+``all_gather_into_tensor`` (named ``reduce_scatter_single`` and ``all_gather_single`` from torch 2.13 on) do that with
+one flat input and one flat output, in place (the shard is a slice of the bucket); NCCL and gloo have both in torch
+2.11 and 2.13 (checked on CPU with 2 and 4 processes, in place and out of place). A backend that refuses one raises at the call; from then on this module takes the fallback for that
 backend: for reduce-scatter an all-reduce of the whole input and then a copy of this rank's shard (twice the
 traffic, the same sums), for all-gather ``all_gather`` into views of the output's chunks.
 """
@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 
 _REFUSED: Set[Tuple[str, str]] = set()  # (backend, operation) that raised "not supported"
+# torch 2.13 names the flat-tensor forms (the old names warn there); 2.11 has only the old ones
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Then:
@@ -58,7 +61,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, native
     fallback (``native=False``, or a backend without ``reduce_scatter_tensor``) all-reduces ``input`` in place, so
     every element of ``input`` may change either way."""
     handle = _native("reduce_scatter_tensor", group,
-                     lambda: dist.reduce_scatter_tensor(output, input, group=group, async_op=True), native)
+                     lambda: _REDUCE_SCATTER(output, input, group=group, async_op=True), native)
     if handle is not None:
         return handle
     n = output.numel()
@@ -74,7 +77,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, native: bo
     """Start gathering every rank's ``input`` (1-D) into ``output`` (``world_size * input.numel()`` elements, in rank
     order); ``input`` may be this rank's chunk of ``output``. Returns a handle with ``wait()``."""
     handle = _native("all_gather_into_tensor", group,
-                     lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=True), native)
+                     lambda: _ALL_GATHER(output, input, group=group, async_op=True), native)
     if handle is not None:
         return handle
     chunks = list(output.chunk(dist.get_world_size(group)))

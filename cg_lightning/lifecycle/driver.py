@@ -197,6 +197,10 @@ class TrainingDriver:
         """
         return self._optimizer_steps.shard(optimizer)
 
+    def sharded_optimizer(self, optimizer: torch.optim.Optimizer):
+        """``optimizer``'s sharded step if :meth:`shard_optimizer` made one, else ``None``."""
+        return self._optimizer_steps.sharded(optimizer)
+
     def after_optimizer_step(self, zero_grad: bool = True) -> None:
         """After ``optimizer.step()``: a micro-batch that a forward opened after the backward is closed (the
         next forward starts a new one); with ``zero_grad``, every ``main_grad`` is zeroed and ``param.grad``

@@ -56,6 +56,10 @@ class OptimizerSteps:
             self._sharded[key] = ShardedOptimizer(optimizer, engine.shards, self.graph_options.cached_optimizer_step)
         return self._sharded[key]
 
+    def sharded(self, optimizer: torch.optim.Optimizer) -> Optional[ShardedOptimizer]:
+        """``optimizer``'s sharded step if :meth:`shard` made one, else ``None``."""
+        return self._sharded.get(id(optimizer))
+
     def step_for(self, optimizer: torch.optim.Optimizer, refusal: Optional[str]) -> Optional[Callable]:
         """The callable to run as ``optimizer.step`` now, or ``None``: its own ``step``. ``refusal``: the
         front-end's reason why the step must not be captured, or ``None`` (read when the optimizer is first
