@@ -141,8 +141,11 @@ def load_state(sharded, state: Any) -> None:
                 parts = [_take(entries, piece.start, piece.end, key) for piece, entries in zip(run.pieces, lists)]
                 if any(p is None for p in parts):
                     raise ValueError(f"optimizer state {key!r} is missing for part of a parameter")
-                values[key] = torch.cat(parts) if _per_element(parts[0], run.pieces[0].end - run.pieces[0].start) \
+                value = torch.cat(parts) if _per_element(parts[0], run.pieces[0].end - run.pieces[0].start) \
                     else parts[0]
+                # a copy: the pieces may be views of another optimizer's live state (torch's load keeps tensors
+                # that already have the right dtype and device)
+                values[key] = value.clone() if isinstance(value, torch.Tensor) else value
             if values:
                 inner_state[index[run.param]] = values
             if run.master:
