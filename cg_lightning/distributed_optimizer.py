@@ -45,6 +45,8 @@ def save_shards(checkpoint: Dict[str, Any], filepath: str, rank: int, world_size
     states = checkpoint.get("optimizer_states")
     if not states or not any(is_shard(s) for s in states):
         return checkpoint
+    if "://" not in str(filepath):  # a local path (a remote one is left to the saver)
+        os.makedirs(shard_dir(str(filepath)), exist_ok=True)
     save({"optimizer_states": states}, shard_file(str(filepath), rank, world_size))
     descriptor = {FILES_KEY: {"world_size": world_size, "folder": os.path.basename(shard_dir(str(filepath)))}}
     return {**checkpoint, "optimizer_states": [descriptor if is_shard(s) else s for s in states]}

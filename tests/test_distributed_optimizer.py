@@ -119,6 +119,31 @@ def test_refusals():
         ShardedOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]), engine.shards)
 
 
+def test_checkpoint_files(tmp_path):
+    """Lightning's side of the files: each rank's shard beside the checkpoint file and a descriptor in it; loaded
+    back as this rank's shard (same world size), as every saved shard (another one) or joined into a full state
+    (without the distributed optimizer); removed with the checkpoint."""
+    from cg_lightning.distributed_optimizer import load_shards, remove_shards, save_shards
+
+    model, engine, opt, sharded = _sharded(torch.float32, False)
+    _sharded_step(model, engine, sharded, torch.randn(4, 5))
+    path = str(tmp_path / "last.ckpt")
+    main = {}
+    for rank in range(2):  # as two ranks would write them (the same shard twice)
+        main = save_shards({"optimizer_states": [opt.state_dict()], "epoch": 3}, path, rank, 2, torch.save)
+    torch.save(main, path)
+    assert main["epoch"] == 3 and main["optimizer_states"] == [
+        {"sharded_optimizer_files": {"world_size": 2, "folder": "last.ckpt.optim"}}]
+    load = lambda p: torch.load(p, weights_only=True)  # noqa: E731
+    own = load_shards(load(path), path, 1, 2, True, load)["optimizer_states"][0]
+    every = load_shards(load(path), path, 0, 4, True, load)["optimizer_states"][0]
+    full = load_shards(load(path), path, 0, 2, False, load)["optimizer_states"][0]
+    assert own["sharded_optimizer"]["rank"] == 0 and len(every) == 2 and set(full) == {"state", "param_groups"}
+    for rank in range(2):
+        remove_shards(path, rank, 2, __import__("os").remove)
+    assert not (tmp_path / "last.ckpt.optim").exists()
+
+
 # ----------------------------------------------------------------- several processes over gloo
 @pytest.fixture(scope="module")
 def dist_runs(tmp_path_factory):
