@@ -3,12 +3,12 @@
 Under ``ddp.distributed_optimizer`` (:mod:`cg_lightning.ddp.shards`) a rank holds the averaged gradient of its shard
 of every bucket. :class:`ShardedOptimizer` wraps the user's optimizer (which keeps its param groups, the
 hyperparameters that schedulers change, and stays empty of state) and steps an *inner* optimizer of the same class
-over *runs*: maximal stretches of this rank's shard whose parameters belong to one param group, each one flat tensor
-(a view into the parameter buffer, or its fp32 master copy for parameters of lower precision) with the matching view
-of ``main_grad`` as its gradient (or an fp32 copy). The optimizer state, so, is that of the shard: 1/N of the
+over *runs*: each parameter's part of this rank's shard as one flat tensor (a view into the parameter buffer, or
+its fp32 master copy for parameters of lower precision) with the matching view of ``main_grad`` as its gradient (or
+an fp32 copy). The optimizer state, so, is that of the shard: 1/N of the
 elements. After the inner step, low-precision parameters take their masters' values and every bucket's parameters are
-all-gathered. Only optimizers whose update is elementwise qualify (a per-tensor norm, as in LAMB, would see runs, not
-parameters). Clipping by norm (:func:`clip_grad_norm_`) sums the shards' squared norms across ranks.
+all-gathered. Only optimizers whose update is elementwise qualify (a per-tensor norm, as in LAMB, would see pieces,
+not parameters). Clipping by norm (:func:`clip_grad_norm_`) combines the ranks' norms of their pieces.
 
 The design follows Megatron-LM's distributed optimizer (``megatron/core/optimizer/distrib_optimizer.py``: shard
 ranges over the gradient buffer, fp32 main parameters of the shard, all-gather of the parameters) and torch's
@@ -45,9 +45,10 @@ def sharded_refusal(optimizer: torch.optim.Optimizer) -> Optional[str]:
 
 
 class Run:
-    """Pieces of one param group, adjacent in one buffer: one tensor of the inner optimizer. Each run holds one
-    piece: a parameter's elements stay one tensor, so that a kernel that treats a tensor's last elements apart from
-    the rest (the CPU's vectorized loops) computes what it computes under ``"ddp"``, and one process is bit-exact.
+    """One tensor of the inner optimizer: one piece, so that a parameter's elements on this rank stay one tensor and a
+    kernel that treats a tensor's last elements apart from the rest (the CPU's vectorized loops) computes what it
+    computes under ``"ddp"``: one process is bit-exact. (Merging adjacent pieces of a param group would make fewer,
+    larger tensors and lose that.)
 
     Attributes:
         group: index of the param group.
