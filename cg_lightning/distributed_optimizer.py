@@ -21,6 +21,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from typing_extensions import override
 
 from .optim.sharded_optimizer import clip_grad_norm_
 from .optim.sharded_state import full_state_dict, is_shard
@@ -145,6 +146,7 @@ class DistributedOptimizerMixin:
 
     _clipping: Optional[GlobalNormClipping] = None
 
+    @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         engine = getattr(self, "engine", None)
@@ -158,18 +160,21 @@ class DistributedOptimizerMixin:
             self.driver.shard_optimizer(getattr(optimizer, "_optimizer", optimizer))
         self._clipping = GlobalNormClipping(self.precision_plugin, self.driver.sharded_optimizer)
 
+    @override
     def teardown(self) -> None:
         if self._clipping is not None:
             self._clipping.remove()
             self._clipping = None
         super().teardown()
 
+    @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Lightning's save; first every rank writes its optimizer shard beside the file (:func:`save_shards`)."""
         checkpoint = save_shards(checkpoint, filepath, self.global_rank, self.world_size,
                                  lambda obj, path: self.checkpoint_io.save_checkpoint(obj, path))
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Lightning's load, with the optimizer shards saved beside the file read back (:func:`load_shards`)."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
@@ -177,6 +182,7 @@ class DistributedOptimizerMixin:
                            self.ddp_options.distributed_optimizer,
                            lambda path: self.checkpoint_io.load_checkpoint(path, *args, **kwargs))
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
         remove_shards(filepath, self.global_rank, self.world_size, os.remove)
