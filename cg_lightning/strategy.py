@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from ._lightning_hook import LightningNamespace, wrong_trainer_error
 from .ddp import DataParallelEngine, DDPOptions
+from .distributed_optimizer import DistributedOptimizerMixin
 from .graphs import GraphManager, GraphOptions, GraphStats
 from .lifecycle import TrainingDriver, apply_graphs, build_driver
 from .options import as_options
@@ -58,7 +59,7 @@ def _destroy_process_group_at_exit() -> None:
         torch.distributed.destroy_process_group()
 
 
-class CUDAGraphDDPMixin:
+class CUDAGraphDDPMixin(DistributedOptimizerMixin):
     """Data-parallel training with per-layer CUDA graphs and exact ``main_grad`` accumulation.
 
     Args:

@@ -153,6 +153,26 @@ def test_single_process_accumulation_parity(tmp_path, fresh_accelerate_state, ca
 
 
 @pytest.mark.timeout(120)
+def test_single_process_distributed_optimizer_parity(tmp_path, fresh_accelerate_state, monkeypatch):
+    """``ddp.distributed_optimizer`` through the Accelerate integration, one process (its shard is everything; the
+    collectives are covered by tests/test_distributed_optimizer.py): 2 micro-batches per step and
+    ``accelerator.clip_grad_norm_`` (the norm over the shards) equal eager Accelerate within 1e-5, every optimizer
+    step taken by the sharded step."""
+    from cg_lightning.optim.sharded_optimizer import ShardedOptimizer
+
+    steps = []
+    step = ShardedOptimizer.step
+    monkeypatch.setattr(ShardedOptimizer, "step", lambda self, closure=None: steps.append(1) or step(self, closure))
+    args = ["--max-steps", "5", "--gradient-accumulation-steps", "2", "trainer.gradient_clip_val=0.05"]
+    cg = _run_script_in_process(tmp_path, "cg", *args, "strategy.ddp.distributed_optimizer=true")
+    eager = _run_script_in_process(tmp_path, "eager", *args, "--eager")
+    assert len(steps) == 5
+    assert max_rel_diff(cg["losses"], eager["losses"]) < 1e-5
+    assert max_rel_diff(cg["grad_norms"], eager["grad_norms"]) < 1e-5
+    assert state_rel_diff(cg["state"], eager["state"]) < 1e-5
+
+
+@pytest.mark.timeout(120)
 def test_single_process_direct_grad_ready_parity(tmp_path, fresh_accelerate_state):
     """graphs.direct_grad_ready through the Accelerate integration (accelerator.backward hands the loss to
     the graph manager), 2 micro-batches per step: every block parameter is reported by its replay after the

@@ -107,6 +107,29 @@ def test_cuda_blocks_applied_several_times_with_accumulation(segments):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+def test_cuda_distributed_optimizer_one_gpu_equals_ddp(fused):
+    """``ddp.distributed_optimizer`` on one GPU with real graphs, fp32, 2 batches accumulated, AdamW (foreach and
+    fused; the cached fused step for the latter): the shard is the whole model (no collective runs), and losses and
+    final weights equal Lightning "ddp" bit for bit. Prints the peak memory of both runs (MiB)."""
+    model = dict(CUDA_MODEL, n_layer=2, fused=fused)
+    peaks, runs = {}, {}
+    for name in ("ddp", "distopt"):
+        strategy = "ddp" if name == "ddp" else cg_strategy("cuda", ddp={"distributed_optimizer": True})
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        runs[name] = train_in_process(strategy, steps=8, accelerator="gpu", model_kwargs=model, data_kwargs=CUDA_DATA,
+                                      accumulate=2)
+        peaks[name] = torch.cuda.max_memory_allocated() / 2**20
+    (ref_model, ref, _), (cg_model, cg, trainer) = runs["ddp"], runs["distopt"]
+    print(f"distributed optimizer, one GPU (fused={fused}): peak MiB ddp {peaks['ddp']:.0f}, "
+          f"distributed optimizer {peaks['distopt']:.0f}")
+    assert trainer.strategy.last_graph_stats.forward_replays > 0
+    assert cg.losses == ref.losses
+    for (name, a), (_, b) in zip(cg_model.state_dict().items(), ref_model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def _two_gpu_pair(tmp_path, common, *cg_args):
     """Lightning "ddp" and cudagraph_ddp (plus ``cg_args``) on 2 GPUs with the same train_parity.py arguments;
     returns the cudagraph_ddp run's saved dict and its max relative loss and final-weight differences."""

@@ -108,7 +108,7 @@ VALID = {
                "segments": [False], "capture_eval": [True], "direct_grad_ready": [False]},
     "ddp": {"bucket_size_mb": [0.5, 4], "average": [False], "grad_dtype": [None, "float32", "bfloat16", "float16"],
             "timeout_s": [1, 2.5], "check_grad_ready": [False], "broadcast_buffers": [False],
-            "find_unused_parameters": [True]},
+            "find_unused_parameters": [True], "distributed_optimizer": [True]},
 }
 
 

@@ -10,11 +10,13 @@ this subclass adds *what else* happens then.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable
 
 from accelerate.optimizer import AcceleratedOptimizer
 from typing_extensions import override
 
+from ..optim.step_graph import step_replaced
 from .engine import GraphedDataParallel
 
 EngineLookup = Callable[["GradBufferOptimizer"], Iterable[GraphedDataParallel]]
@@ -45,7 +47,9 @@ class GradBufferOptimizer(AcceleratedOptimizer):
         engines = list(self._engines(self))
         for engine in engines:
             engine.check_ready_for_step()
-        out = super().step(closure)
+        sharded = [engine.driver.shard_optimizer(self.optimizer) for engine in engines if engine.shards is not None]
+        with step_replaced(self.optimizer, sharded[0].step) if sharded else contextlib.nullcontext():
+            out = super().step(closure)  # ddp.distributed_optimizer: this rank's shard, then the all-gather
         for engine in engines:
             engine.after_optimizer_step()
         return out

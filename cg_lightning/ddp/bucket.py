@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ class Bucket:
         self.overshoot = False  # some parameter reported more often than its golden count
         self.handle = None
         self.dispatched = False
+        #: ``ddp.distributed_optimizer``: called as ``reduce(data, group)`` in place of the all-reduce (a
+        #: reduce-scatter into this rank's shard of ``data``); returns the collective's handle (:mod:`.shards`)
+        self.reduce: Optional[Callable] = None
 
     # by parameter (reports and tests; built on access)
     @property
@@ -142,12 +145,16 @@ class Bucket:
         return [p for p, c, g in zip(self.params, self.slot_counts, self.slot_golden) if c != g]
 
     def dispatch(self, group, world_size: int, average: bool) -> None:
-        """Start the (asynchronous) all-reduce of ``data``; pre-divides by ``world_size`` when averaging."""
+        """Start the (asynchronous) all-reduce of ``data`` (or :attr:`reduce`); pre-divides by ``world_size`` when
+        averaging."""
         self.dispatched = True
         if world_size == 1:
             return
         if average:
             self.data.div_(world_size)
+        if self.reduce is not None:
+            self.handle = self.reduce(self.data, group)
+            return
         self.handle = dist.all_reduce(self.data, group=group, async_op=True)
 
     def wait(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -23,6 +23,7 @@ class GradBuffer:
         device: buffer device.
         bucket_size_bytes: bucket capacity in bytes.
         first_bucket_index: index of this buffer's first bucket in the engine's list.
+        pad_to: each bucket's length is rounded up to a multiple of this (zeros that no parameter views).
 
     After construction every parameter has ``param.main_grad`` (same shape, ``dtype``), zeroed.
     """
@@ -34,26 +35,33 @@ class GradBuffer:
         device: torch.device,
         bucket_size_bytes: int,
         first_bucket_index: int = 0,
+        pad_to: int = 1,
     ) -> None:
         self.dtype = dtype
         ordered = list(reversed(params))
-        total = sum(p.numel() for p in ordered)
-        self.data = torch.zeros(total, dtype=dtype, device=device)
-        self.buckets: List[Bucket] = []
         element = torch.empty((), dtype=dtype).element_size()
-        offset = 0
+        #: ``(param, offset)`` in buffer order; ``bucket_ranges``: ``(start, end)`` of each bucket, padded so that
+        #: its length is a multiple of ``pad_to`` (``ddp.distributed_optimizer``: a bucket splits into equal shards)
+        self.offsets: List[Tuple[torch.nn.Parameter, int]] = []
+        self.bucket_ranges: List[Tuple[int, int]] = []
+        groups: List[List[torch.nn.Parameter]] = []
+        offset = bucket_start = 0
         bucket_params: List[torch.nn.Parameter] = []
-        bucket_start = 0
-        for p in ordered:
-            n = p.numel()
-            set_main_grad(p, self.data[offset : offset + n].view_as(p))
-            offset += n
+        for i, p in enumerate(ordered):
+            self.offsets.append((p, offset))
+            offset += p.numel()
             bucket_params.append(p)
-            if (offset - bucket_start) * element >= bucket_size_bytes:
-                self._close_bucket(bucket_params, bucket_start, offset, first_bucket_index)
+            if (offset - bucket_start) * element >= bucket_size_bytes or i == len(ordered) - 1:
+                offset += -(offset - bucket_start) % pad_to
+                self.bucket_ranges.append((bucket_start, offset))
+                groups.append(bucket_params)
                 bucket_params, bucket_start = [], offset
-        if bucket_params:
-            self._close_bucket(bucket_params, bucket_start, offset, first_bucket_index)
+        self.data = torch.zeros(offset, dtype=dtype, device=device)
+        for p, start in self.offsets:
+            set_main_grad(p, self.data[start : start + p.numel()].view_as(p))
+        self.buckets: List[Bucket] = []
+        for group, (start, end) in zip(groups, self.bucket_ranges):
+            self._close_bucket(group, start, end, first_bucket_index)
 
     def _close_bucket(self, params, start: int, end: int, first_index: int) -> None:
         self.buckets.append(Bucket(first_index + len(self.buckets), list(params), self.data[start:end]))

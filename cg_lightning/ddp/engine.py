@@ -36,6 +36,7 @@ from .hooks import GradHooks
 from .options import DDPOptions
 from .ready_check import ReadyCheck
 from .reducer import BucketReducer
+from .shards import ShardLayout
 from .unused import UnusedParameters
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -88,15 +89,21 @@ class DataParallelEngine(nn.Module):
             broadcast_states(module, self.group)
         self.buffers_: List[GradBuffer] = []
         self.buckets: List[Bucket] = []
-        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+        sharded = self.options.distributed_optimizer
+        by_dtype: Dict[tuple, List[nn.Parameter]] = {}
         for p in self.params:
             dtype = _DTYPES[self.options.grad_dtype] if self.options.grad_dtype else p.dtype
-            by_dtype.setdefault(dtype, []).append(p)
+            by_dtype.setdefault((dtype, p.dtype) if sharded else (dtype,), []).append(p)
         bucket_bytes = int(self.options.bucket_size_mb * 1024 * 1024)
-        for dtype, params in by_dtype.items():
-            buf = GradBuffer(params, dtype, params[0].device, bucket_bytes, len(self.buckets))
+        for (dtype, *_), params in by_dtype.items():
+            buf = GradBuffer(params, dtype, params[0].device, bucket_bytes, len(self.buckets),
+                             pad_to=self.world_size if sharded else 1)
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
+        #: ``ddp.distributed_optimizer``: this rank's shard of every bucket (reduce-scattered into), the parameters
+        #: in buffers of the same layout (:mod:`.shards`); ``None`` otherwise
+        self.shards: Optional[ShardLayout] = (ShardLayout(self.buffers_, self.group, self.rank, self.world_size)
+                                              if sharded else None)
         self.bucket_of: Dict[nn.Parameter, Bucket] = {p: b for b in self.buckets for p in b.params}
         #: ``ddp.find_unused_parameters``: a parameter may get no gradient in a backward (:mod:`.unused`)
         self.unused: Optional[UnusedParameters] = None

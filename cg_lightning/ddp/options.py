@@ -18,7 +18,8 @@ class DDPOptions:
 
     Raises:
         TypeError: a value of the wrong type.
-        ValueError: a non-positive bucket size or timeout, an unknown grad dtype. Both name the option
+        ValueError: a non-positive bucket size or timeout, an unknown grad dtype, ``distributed_optimizer`` with
+            ``find_unused_parameters``. Both name the option
             (``ddp.bucket_size_mb``), the value given and what is accepted.
     """
 
@@ -43,5 +44,14 @@ class DDPOptions:
     find_unused_parameters: bool = False
     """Allow parameters without a gradient in a backward (ready with zero contribution), as torch DDP's option."""
 
+    distributed_optimizer: bool = False
+    """Reduce-scatter buckets; each rank keeps optimizer state (and fp32 master weights) of its shard only."""
+
     def __post_init__(self) -> None:
         check_options(self, "ddp")
+        if self.distributed_optimizer and self.find_unused_parameters:
+            raise ValueError(
+                "ddp.distributed_optimizer and ddp.find_unused_parameters cannot be combined: the sharded step updates "
+                "every element of its shard, while find_unused_parameters leaves parameters without a gradient "
+                "untouched. Turn one of them off."
+            )

@@ -187,6 +187,20 @@ class TrainingDriver:
         with step_replaced(optimizer, step):
             yield
 
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer):
+        """Under ``ddp.distributed_optimizer``: ``optimizer``'s sharded step, made now (call it before a checkpoint's
+        optimizer state is loaded: from then on ``optimizer.state_dict()`` and ``load_state_dict()`` handle shards,
+        :mod:`cg_lightning.optim.sharded_state`); ``None`` without the option.
+
+        Raises:
+            ValueError: the optimizer cannot be sharded (not elementwise, or over other parameters).
+        """
+        return self._optimizer_steps.shard(optimizer)
+
+    def sharded_optimizer(self, optimizer: torch.optim.Optimizer):
+        """``optimizer``'s sharded step if :meth:`shard_optimizer` made one, else ``None``."""
+        return self._optimizer_steps.sharded(optimizer)
+
     def after_optimizer_step(self, zero_grad: bool = True) -> None:
         """After ``optimizer.step()``: a micro-batch that a forward opened after the backward is closed (the
         next forward starts a new one); with ``zero_grad``, every ``main_grad`` is zeroed and ``param.grad``

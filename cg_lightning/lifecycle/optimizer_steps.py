@@ -1,6 +1,7 @@
 """What runs as ``optimizer.step()`` inside :meth:`TrainingDriver.stepping <.driver.TrainingDriver.stepping>`.
 
-Per optimizer, chosen where it applies, in this order: the captured step graph (``graphs.capture_optimizer``,
+Per optimizer, chosen where it applies, in this order: the sharded step (``ddp.distributed_optimizer``: the
+optimizer's update on this rank's shard, then the parameters all-gathered; never captured), the captured step graph (``graphs.capture_optimizer``,
 once the layers replay: one eager step prepared for capture, then the capture, then replays; refused with a
 reason, e.g. a ``ddp.grad_dtype`` other than the parameters'), the cached fused Adam step
 (``graphs.cached_optimizer_step``), else the optimizer's own ``step``.
@@ -15,6 +16,7 @@ import torch
 from ..ddp import DataParallelEngine
 from ..graphs import GraphManager, GraphOptions
 from ..optim.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
+from ..optim.sharded_optimizer import ShardedOptimizer
 from ..optim.step_graph import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
 from ..optim.step_graph import OptimizerStepGraph, optimizer_refusal
 from ..protocol import main_grad
@@ -36,11 +38,35 @@ class OptimizerSteps:
         self.engine = engine
         self._graphs: Dict[int, OptimizerStepGraph] = {}  # id(optimizer) -> its step graph
         self._cached: Dict[int, Optional[CachedFusedAdamStep]] = {}  # id(optimizer) -> cached fused step
+        self._sharded: Dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharded step
+
+    def shard(self, optimizer: torch.optim.Optimizer) -> Optional[ShardedOptimizer]:
+        """``optimizer``'s :class:`~cg_lightning.optim.sharded_optimizer.ShardedOptimizer` under
+        ``ddp.distributed_optimizer`` (made at the first call: before a checkpoint's optimizer state is loaded), else
+        ``None``.
+
+        Raises:
+            ValueError: the optimizer cannot be sharded (not elementwise, or over other parameters).
+        """
+        engine = self.engine
+        if engine is None or getattr(engine, "shards", None) is None:
+            return None
+        key = id(optimizer)
+        if key not in self._sharded:
+            self._sharded[key] = ShardedOptimizer(optimizer, engine.shards, self.graph_options.cached_optimizer_step)
+        return self._sharded[key]
+
+    def sharded(self, optimizer: torch.optim.Optimizer) -> Optional[ShardedOptimizer]:
+        """``optimizer``'s sharded step if :meth:`shard` made one, else ``None``."""
+        return self._sharded.get(id(optimizer))
 
     def step_for(self, optimizer: torch.optim.Optimizer, refusal: Optional[str]) -> Optional[Callable]:
         """The callable to run as ``optimizer.step`` now, or ``None``: its own ``step``. ``refusal``: the
         front-end's reason why the step must not be captured, or ``None`` (read when the optimizer is first
         seen after capture)."""
+        sharded = self.shard(optimizer)
+        if sharded is not None:
+            return sharded.step
         graph = self._graph(optimizer, refusal)
         cached = self._cached_step(optimizer)
         if graph is not None and graph.phase in OPTIMIZER_GRAPH_ACTIVE:
@@ -52,7 +78,8 @@ class OptimizerSteps:
     @property
     def cached_steps(self) -> int:
         """Optimizer steps taken on cached tensor lists so far (``graphs.cached_optimizer_step``)."""
-        return sum(c.cached_steps for c in self._cached.values() if c is not None)
+        return (sum(c.cached_steps for c in self._cached.values() if c is not None)
+                + sum(s.cached_steps for s in self._sharded.values()))
 
     @property
     def replays(self) -> int:
@@ -68,6 +95,9 @@ class OptimizerSteps:
         """Give the optimizers back the ``capturable`` setting the user gave them; forget every step (the
         counters restart at 0) and take only the optimizers' own steps from now on."""
         self._cached = {}
+        for sharded in self._sharded.values():
+            sharded.close()
+        self._sharded = {}
         for graph in self._graphs.values():
             if graph.phase in OPTIMIZER_GRAPH_ACTIVE:
                 graph.restore()
