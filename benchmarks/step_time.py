@@ -1,4 +1,4 @@
-"""Step time of the example GPT or a transformers Llama under seventeen training setups, side by side in one process.
+"""Step time of the example GPT or a transformers Llama under eighteen training setups, side by side in one process.
 
 On a GPU, from the repository root::
 

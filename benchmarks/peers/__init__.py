@@ -50,6 +50,7 @@ def all_peers() -> Dict[str, Peer]:
         cudagraph_ddp.PEER_WHOLE,
         cudagraph_ddp.PEER_COMPILE,
         cudagraph_ddp.PEER_WHOLE_COMPILE,
+        cudagraph_ddp.PEER_DISTOPT,
     ]
     return {p.name: p for p in peers}
 
@@ -71,4 +72,5 @@ PEER_NAMES = (
     "cudagraph_ddp_whole",
     "cudagraph_ddp_compile",
     "cudagraph_ddp_whole_compile",
+    "cudagraph_ddp_distopt",
 )

@@ -34,6 +34,11 @@ GRAPHS_OF = {
 }
 
 
+#: the ddp options of each peer beyond the defaults
+DDP_OF = {"cudagraph_ddp_distopt": {"distributed_optimizer": True}}
+GRAPHS_OF["cudagraph_ddp_distopt"] = {}
+
+
 def graphs_of(peer: str, model: str = "gpt") -> dict:
     """The graphs options of ``peer`` beyond the defaults, its layer variant resolved for ``model``."""
     graphs = dict(GRAPHS_OF[peer])
@@ -49,7 +54,8 @@ def strategy_for(peer: str, warmup_steps: int = 2, model: str = "gpt"):
         return "ddp"
     import cg_lightning
 
-    return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup_steps, **graphs_of(peer, model)})
+    return cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": warmup_steps, **graphs_of(peer, model)},
+                                             ddp=DDP_OF.get(peer))
 
 
 def run(s: RunSettings, peer: str = "cudagraph_ddp") -> PeerResult:
@@ -62,7 +68,7 @@ def run(s: RunSettings, peer: str = "cudagraph_ddp") -> PeerResult:
     graphs = graphs_of(peer, s.model)
     capture_optimizer, cached = graphs.get("capture_optimizer"), graphs.get("cached_optimizer_step")
     strategy = cg_lightning.CUDAGraphDDPStrategy(
-        graphs={"warmup_steps": s.cg_warmup_steps, **graphs}, timeout=PROCESS_GROUP_TIMEOUT,
+        graphs={"warmup_steps": s.cg_warmup_steps, **graphs}, ddp=DDP_OF.get(peer), timeout=PROCESS_GROUP_TIMEOUT,
     )
     try:
         timing, trainer = fit_timed(s, strategy)
@@ -140,3 +146,6 @@ PEER_COMPILE = _variant("cudagraph_ddp_compile", True,
 PEER_WHOLE_COMPILE = _variant("cudagraph_ddp_whole_compile", True,
                               'cudagraph_ddp_whole plus graphs.compile=True: the whole forward compiled by Inductor, '
                               "then captured as one graph")
+PEER_DISTOPT = _variant("cudagraph_ddp_distopt", False,
+                        "cudagraph_ddp with ddp.distributed_optimizer=True: gradients reduce-scattered, the optimizer "
+                        "state sharded over the ranks (one rank here: the whole model), parameters all-gathered")
