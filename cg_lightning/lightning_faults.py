@@ -28,10 +28,12 @@ optimizer step, where Lightning's end-of-batch test raises.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 from . import torch_compat
 from .ddp import peers
@@ -62,12 +64,17 @@ class LightningPreemption:
     def attach(self, trainer: Any) -> None:
         """Before Lightning registers its signal handlers (``Trainer._run`` does after the strategy's setup); a
         collective when there are several processes (the agreement's gloo group)."""
+        connector = trainer._signal_connector
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not (hasattr(connector, "_sigterm_notifier_fn") and hasattr(epoch_loop, "_broadcast_sigterm_tensor")):
+            warnings.warn("cg_lightning: this Lightning's signal handling differs from 2.6's; SIGTERM is left to "
+                          "Lightning (no agreed stop, no checkpoint, exit status 0)", UserWarning, stacklevel=2)
+            return
         self.trainer = trainer
         self.request = StopRequest(control_group(self.timeout_s), self.timeout_s)
-        connector = trainer._signal_connector
         connector._sigterm_notifier_fn = self.request.note  # over Lightning's method, on this instance only
         connector._slurm_sigusr_handler_fn = self.request.note
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.check_at_batch_start
+        epoch_loop._broadcast_sigterm_tensor = self.check_at_batch_start
 
     def detach(self) -> None:
         trainer, self.trainer = self.trainer, None
@@ -131,6 +138,7 @@ class FaultsMixin:
         trainer = getattr(module, "_trainer", None) if module is not None else None
         return f"step {trainer.global_step}" if trainer is not None else "a step"
 
+    @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if trainer.state.fn != self._lightning_ns.fitting:
@@ -140,47 +148,57 @@ class FaultsMixin:
         self._preemption = LightningPreemption(self.ddp_options.timeout_s, self._announce)
         self._preemption.attach(trainer)
 
+    @override
     def on_train_start(self) -> None:
         """From here on every collective of the world group is bounded by ``ddp.timeout_s``."""
         super().on_train_start()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             torch_compat.set_group_timeout(self.ddp_options.timeout_s)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any):
         with self._bounded(f"the forward of {self._step_name()}"):
             return super().training_step(*args, **kwargs)
 
+    @override
     def backward(self, *args: Any, **kwargs: Any):
         with self._bounded(f"the backward of {self._step_name()}"):
             return super().backward(*args, **kwargs)
 
+    @override
     def optimizer_step(self, *args: Any, **kwargs: Any):
         out = super().optimizer_step(*args, **kwargs)
         if self._preemption is not None:
             self._preemption.after_optimizer_step()
         return out
 
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
         with self._bounded(f"the barrier {name!r}" if name else "a barrier"):
             super().barrier(name)
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         with self._bounded(f"a broadcast from rank {src} (a checkpoint's path, a decision)"):
             return super().broadcast(obj, src)
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         with self._bounded("the reduction of logged values (sync_dist) or a decision"):
             return super().reduce(tensor, group, reduce_op)
 
+    @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         with self._bounded("an all_gather"):
             return super().all_gather(tensor, group, sync_grads)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         if self._preemption is not None:
             self._preemption.on_exception(exception)
 
+    @override
     def teardown(self) -> None:
         preemption, self._preemption = self._preemption, None
         if preemption is not None:

@@ -1,4 +1,4 @@
-"""One rank of a two-process fit of the example GPT under ``cudagraph_ddp``, for ``tests/test_faults.py``.
+"""One rank of a two-process (``--devices 1``: a one-process) fit of the example GPT under ``cudagraph_ddp``, for ``tests/test_faults.py``.
 
 Started once per rank as a cluster launcher starts processes (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT`` in the environment; Lightning then creates no processes of its own). The run:
@@ -83,6 +83,7 @@ def main(argv=None) -> None:
     ap.add_argument("--stop", default="none", choices=["none", "warmup", "replay", "validation", "checkpoint"])
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--ckpt-path", default=None)
+    ap.add_argument("--devices", type=int, default=2)
     a = ap.parse_args(argv)
 
     seed_everything(7, workers=True)
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
     strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager"},
                                                  ddp={"timeout_s": a.timeout_s})
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=a.steps, logger=False, enable_progress_bar=False,
+        accelerator="cpu", devices=a.devices, strategy=strategy, max_steps=a.steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=3, limit_val_batches=2,
         default_root_dir=a.out,
         callbacks=[faults, ModelCheckpoint(dirpath=os.path.join(a.out, "ckpts"), every_n_train_steps=3,
