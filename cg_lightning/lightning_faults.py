@@ -167,7 +167,8 @@ class FaultsMixin:
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any):
-        out = super().optimizer_step(*args, **kwargs)
+        with self._bounded(f"the optimizer step of {self._step_name()}"):  # its closure: forward and backward
+            out = super().optimizer_step(*args, **kwargs)
         if self._preemption is not None:
             self._preemption.after_optimizer_step()
         return out
