@@ -28,6 +28,7 @@ _EXPORTS = {
     "GraphCaptureError": "cg_lightning.graphs",
     "GraphOptions": "cg_lightning.graphs",
     "GraphSignatureError": "cg_lightning.graphs",
+    "PeerLostError": "cg_lightning.ddp",
     "SegmentError": "cg_lightning.graphs",
     "checkpoint": "cg_lightning.graphs",
     "is_graph_capturing": "cg_lightning.graphs",
@@ -45,7 +46,7 @@ _SUBMODULES = frozenset({
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve through __getattr__
-    from .ddp import DataParallelEngine, DDPOptions, GradSyncError  # noqa: F401
+    from .ddp import DataParallelEngine, DDPOptions, GradSyncError, PeerLostError  # noqa: F401
     from .graphs import (  # noqa: F401
         BufferReuseError,
         CheckpointWithoutOutput,

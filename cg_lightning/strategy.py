@@ -25,6 +25,8 @@ plugin's ``backward``                     ``after_backward()`` before ``on_after
 ``teardown``                              ``close()``
 ========================================  =====================================================================
 
+Faults (bounded collectives, named peer errors, preemption) are :mod:`cg_lightning.lightning_faults`.
+
 Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPUs.
 """
 
@@ -50,6 +52,7 @@ from .ddp import DataParallelEngine, DDPOptions
 from .distributed_optimizer import DistributedOptimizerMixin
 from .graphs import GraphManager, GraphOptions, GraphStats
 from .lifecycle import TrainingDriver, apply_graphs, build_driver
+from .lightning_faults import FaultsMixin
 from .options import as_options
 from .torch_ddp_options import split_torch_ddp_kwargs
 
@@ -59,8 +62,13 @@ def _destroy_process_group_at_exit() -> None:
         torch.distributed.destroy_process_group()
 
 
-class CUDAGraphDDPMixin(DistributedOptimizerMixin):
+class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
     """Data-parallel training with per-layer CUDA graphs and exact ``main_grad`` accumulation.
+
+    Collectives are bounded by ``ddp.timeout_s`` from the first training step on, and a failed one is a
+    :class:`~cg_lightning.ddp.PeerLostError` naming the cause and the rank; SIGTERM (and SLURM's requeue signal)
+    stops every rank after the same step with a checkpoint and exit status ``128 + signal``
+    (:mod:`cg_lightning.lightning_faults`).
 
     Args:
         graphs: :class:`~cg_lightning.graphs.GraphOptions` (or a dict of its fields): which layers,

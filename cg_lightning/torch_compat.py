@@ -244,3 +244,26 @@ def broadcast_coalesced(group, tensors: List[torch.Tensor], buffer_size: int, sr
         return False
     coalesced(group, tensors, buffer_size, src)
     return True
+
+
+def default_store():
+    """``torch.distributed.distributed_c10d._get_default_store``: the key-value store of the world group's
+    rendezvous (a peer watch keeps each rank's heartbeat there, :mod:`cg_lightning.ddp.peers`)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def set_group_timeout(seconds: float, group=None) -> bool:
+    """``torch.distributed.distributed_c10d._set_pg_timeout``: the timeout of the collectives issued on ``group``
+    (default: the world) from now on, for the gloo and NCCL backends. Returns ``False`` without doing anything
+    where the installed torch lacks it."""
+    import datetime
+
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return False
+    setter(datetime.timedelta(seconds=seconds), group)
+    return True

@@ -24,6 +24,8 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from examples.resumable import resumable_loader
+
 __all__ = ["TextDataModule", "TokenWindowDataset", "read_stdlib_bytes", "read_text_bytes"]
 
 # Directory names never descended into when collecting the standard library.
@@ -327,8 +329,16 @@ class TextDataModule(LightningDataModule):
 
     # -------------------------------------------------------------- dataloaders
     def train_dataloader(self) -> DataLoader:
-        """Shuffled batches of ``(x, y)``, each int64 ``(batch_size, block_size)``."""
+        """Shuffled batches of ``(x, y)``, each int64 ``(batch_size, block_size)``.
+
+        Under a Trainer, a :class:`~examples.resumable.ResumableDataLoader` for this rank (the order Lightning's
+        ``DistributedSampler`` would give): a run resumed from any step's checkpoint continues with the next
+        batch of the same epoch, exactly as the uninterrupted run. Without a Trainer, a plain shuffled loader."""
         self.setup()
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            return resumable_loader(self.train_dataset, trainer, batch_size=self.batch_size, drop_last=self.drop_last,
+                                    num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
         return DataLoader(
             self.train_dataset,
             batch_size=self.batch_size,

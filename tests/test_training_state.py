@@ -5,8 +5,8 @@
   on torch DDP's schedule (``DDPOptions.broadcast_buffers``), in place.
 * Dropout inside graphed layers: a new mask at every replay, reproducible from the seed, and on the
   eager backend the same losses as Lightning's ``"ddp"``.
-* Resume: a run checkpointed by ``ModelCheckpoint`` and resumed with ``trainer.fit(ckpt_path=...)`` continues
-  exactly as the uninterrupted run, re-capturing its graphs.
+* Resume: a run checkpointed by ``ModelCheckpoint`` mid-epoch and resumed with ``trainer.fit(ckpt_path=...)``
+  continues bit for bit as the uninterrupted run, re-capturing its graphs.
 
 References are Lightning's own ``"ddp"`` strategy on the same seed and data.
 """
@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from examples.gpt import GPT
 from tests.engine_models import BACKENDS, graphed_engine
 from tests.helpers import (
-    EPOCH_BATCHES, cg_strategy, fit_whole_epochs, make_trainer, max_rel_diff, state_rel_diff, train_in_process,
+    cg_strategy, fit_whole_epochs, make_trainer, max_rel_diff, state_rel_diff, train_in_process,
     train_subprocess,
 )
 from tests.recorders import GradRecorder
@@ -177,35 +177,42 @@ def test_dropout_reproducible_and_matches_ddp():
 
 
 # ----------------------------------------------------------------------------------------------- resume
+RESUME_AT = 6  # a checkpoint in the middle of the first 10-batch epoch
+TOTAL = 16  # the resumed run crosses into the second epoch
+
+
 def _interrupted_run(make_strategy, tmp_path):
-    ckpt = ModelCheckpoint(dirpath=str(tmp_path), filename="{step}", every_n_train_steps=EPOCH_BATCHES,
-                           save_top_k=-1)
-    first_strategy = make_strategy()
-    _, first = fit_whole_epochs(first_strategy, EPOCH_BATCHES, callbacks=[ckpt], enable_checkpointing=True)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path), filename="{step}", every_n_train_steps=RESUME_AT, save_top_k=-1)
+    _, first = fit_whole_epochs(make_strategy(), RESUME_AT, callbacks=[ckpt], enable_checkpointing=True)
     paths = sorted(tmp_path.glob("*.ckpt"))
-    assert [p.name for p in paths] == [f"step={EPOCH_BATCHES}.ckpt"]
+    assert [p.name for p in paths] == [f"step={RESUME_AT}.ckpt"]
     resumed_strategy = make_strategy()
-    model, resumed = fit_whole_epochs(resumed_strategy, 2 * EPOCH_BATCHES, ckpt_path=str(paths[0]))
+    model, resumed = fit_whole_epochs(resumed_strategy, TOTAL, ckpt_path=str(paths[0]))
     return first, resumed, model, resumed_strategy
 
 
-@pytest.mark.parametrize("strategy_name", ["ddp", "cudagraph_ddp"])
-def test_resume_from_checkpoint_continues_exactly(strategy_name, tmp_path):
-    """20 uninterrupted steps vs 10 steps saved by ``ModelCheckpoint`` + a new Trainer resumed with
-    ``trainer.fit(ckpt_path=...)`` to 20: the resumed run's 10 losses equal the uninterrupted run's last 10
-    within 1e-6 (fp32), and the final weights within 1e-6 (AdamW moments and the per-step LR warmup
-    scheduler are restored with the weights). Run for Lightning "ddp" too, to show the reference itself
-    is resumable this way.
+def assert_same_state(a, b) -> None:
+    """Bit for bit: every tensor of two state dicts equal."""
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"differ: {different}"
 
-    The epoch is exactly 10 batches, so the checkpoint is taken at an epoch boundary: Lightning restores
-    the loop counters but not the position of a non-stateful dataloader inside an epoch (a mid-epoch
-    resume would restart the epoch's batch order from its first batch), while the next epoch's shuffled
-    order is a function of the seed and the epoch number (``DistributedSampler.set_epoch``), the same in
-    both runs. The models have no dropout: Lightning's checkpoint does not hold the RNG state.
+
+@pytest.mark.parametrize("strategy_name", ["ddp", "cudagraph_ddp"])
+def test_resume_mid_epoch_continues_bit_for_bit(strategy_name, tmp_path):
+    """16 uninterrupted steps vs 6 steps saved by ``ModelCheckpoint`` in the middle of a 10-batch epoch + a new
+    Trainer resumed with ``trainer.fit(ckpt_path=...)`` to 16: the resumed run's 10 losses and the final weights
+    equal the uninterrupted run's bit for bit (CPU). Lightning "ddp" too: the reference is resumable this way.
+
+    Exactness mid-epoch comes from the example data module's resumable loader (``examples/resumable.py``): its
+    place in the epoch is saved in the checkpoint and restored, so the resumed run takes batch 7 of the same
+    shuffled order, then the next epoch's (``DistributedSampler.set_epoch``). AdamW's moments and the per-step
+    LR warmup scheduler are restored with the weights. The models have no dropout: Lightning's checkpoint does
+    not hold the RNG state.
 
     Under "cudagraph_ddp" the resumed run builds new graphs: the graph manager counts warmup from the first
-    step it sees, so the resumed run's first ``warmup_steps`` (2) steps run eagerly, the next one captures
-    and replays, and so do the remaining ones."""
+    step it sees, so the resumed run's first ``warmup_steps`` (2) steps run eagerly, then it captures and
+    replays."""
     warmup = 2
     if strategy_name == "ddp":
         def make():
@@ -214,16 +221,15 @@ def test_resume_from_checkpoint_continues_exactly(strategy_name, tmp_path):
         def make():
             return cg_strategy(warmup_steps=warmup)
 
-    full_model, full = fit_whole_epochs(make(), 2 * EPOCH_BATCHES)
+    full_model, full = fit_whole_epochs(make(), TOTAL)
     first, resumed, model, strategy = _interrupted_run(make, tmp_path)
 
-    assert len(full.losses) == 2 * EPOCH_BATCHES
-    assert len(first.losses) == len(resumed.losses) == EPOCH_BATCHES
-    assert max_rel_diff(first.losses, full.losses[:EPOCH_BATCHES]) < 1e-6
-    assert max_rel_diff(resumed.losses, full.losses[EPOCH_BATCHES:]) < 1e-6
-    assert state_rel_diff(model.state_dict(), full_model.state_dict()) < 1e-6
+    assert len(full.losses) == TOTAL
+    assert first.losses == full.losses[:RESUME_AT]
+    assert resumed.losses == full.losses[RESUME_AT:]
+    assert_same_state(model.state_dict(), full_model.state_dict())
     if strategy_name == "cudagraph_ddp":
         stats = strategy.last_graph_stats
         assert stats.captured_runners == 2
-        assert stats.forward_replays == 2 * (EPOCH_BATCHES - warmup)
+        assert stats.forward_replays == 2 * (TOTAL - RESUME_AT - warmup)
         assert stats.eager_calls == 2 * warmup  # the resumed run's warmup steps

@@ -7,5 +7,6 @@ checked by :mod:`cg_lightning.option_checks`, the check every options dataclass 
 from .engine import DataParallelEngine
 from .errors import GradSyncError
 from .options import DDPOptions
+from .peers import PeerLostError
 
-__all__ = ["DataParallelEngine", "DDPOptions", "GradSyncError"]
+__all__ = ["DataParallelEngine", "DDPOptions", "GradSyncError", "PeerLostError"]

@@ -33,7 +33,7 @@ class DDPOptions:
     """dtype of ``main_grad``: ``"float32"``, ``"bfloat16"``, ``"float16"``; ``None`` keeps each parameter's."""
 
     timeout_s: float = field(default=300.0, metadata=above(0))
-    """Seconds a rank waits for the others in the grad-ready agreement before it raises."""
+    """Seconds any collective waits for the other ranks from the first training step on, before ``PeerLostError``."""
 
     check_grad_ready: bool = True
     """Agree across ranks that every parameter reported ready, so a missing gradient is an error, not a hang."""

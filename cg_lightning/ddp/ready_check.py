@@ -6,7 +6,7 @@ first iteration: one that never reported ready) is a :class:`GradSyncError` nami
 and the usual causes. With more than one process and ``ddp.check_grad_ready``, the ranks first agree through
 one tiny all-reduce on a gloo group (bounded by ``ddp.timeout_s``), so a miss on one rank is the same error on
 every rank instead of a hang in a bucket's all-reduce; in the first iteration they also compare their golden
-counts.
+counts. A rank that does not take part in time is a :class:`~.peers.PeerLostError` (gone, silent or late, named).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.nn as nn
 from .bucket import Bucket
 from .errors import GradSyncError
 from .options import DDPOptions
+from .peers import peer_error, peer_errors
 
 _CAUSES = (
     "Usual causes: a parameter used only inside activation recomputation that the graph did not "
@@ -92,18 +93,16 @@ class ReadyCheck:
                 )
             return
         flag = torch.tensor([len(local)], dtype=torch.int64)
+        during = f"the end of the backward (the grad-ready agreement of iteration {iteration})"
         try:
             dist.all_reduce(flag, group=self.control_group)
-        except Exception as exc:  # another rank died or hangs
-            raise GradSyncError(
-                f"rank {self.rank}: another rank did not reach the end of the backward within "
-                f"{self.options.timeout_s:.0f} s (iteration {iteration}); it probably failed earlier. "
-                f"Cause: {exc}"
-            ) from exc
+        except Exception as exc:  # another rank died, hangs or is elsewhere: PeerLostError, cause first
+            raise peer_error(exc, during, self.options.timeout_s) from exc
         if int(flag.item()) == 0:
             return
         reports: List[Optional[List[str]]] = [None] * self.world_size
-        dist.all_gather_object(reports, local, group=self.control_group)
+        with peer_errors(during, self.options.timeout_s):
+            dist.all_gather_object(reports, local, group=self.control_group)
         lines = [f"rank {r}: {', '.join(rep)}" for r, rep in enumerate(reports) if rep]
         raise GradSyncError(
             f"gradients of parameters of {type(self.module).__name__} did not report ready as expected in "
@@ -117,7 +116,8 @@ class ReadyCheck:
             return
         mine = [g for b in buckets for g in b.slot_golden]
         reports: List[Optional[List[int]]] = [None] * self.world_size
-        dist.all_gather_object(reports, mine, group=self.control_group)
+        with peer_errors("the comparison of golden counts", self.options.timeout_s):
+            dist.all_gather_object(reports, mine, group=self.control_group)
         # ddp.find_unused_parameters: a parameter absent on a rank (0) agrees with any count
         absent = {0} if self.options.find_unused_parameters else set()
         seen = [{rep[i] for rep in reports} - absent for i in range(len(mine))]
