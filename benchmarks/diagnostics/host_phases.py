@@ -32,6 +32,7 @@ import torch
 from lightning.pytorch import Callback
 
 from benchmarks.common import SIZES, VOCAB_SIZE, RunSettings, sync
+from benchmarks.models import LLAMA_VOCAB_SIZE, MODELS
 from benchmarks.peers.cudagraph_ddp import GRAPHS_OF, strategy_for
 
 
@@ -194,6 +195,7 @@ def _restore(patched) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.diagnostics.host_phases", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    ap.add_argument("--model", default="gpt", choices=MODELS)
     ap.add_argument("--peer", default="cudagraph_ddp", choices=[*GRAPHS_OF, "lightning_ddp"])
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=60)
@@ -205,13 +207,14 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: only to try the script
     import benchmarks.peers._lightning as lit
 
-    s = RunSettings(device=device, size_name=a.size, size=SIZES[a.size], vocab_size=VOCAB_SIZE,
+    s = RunSettings(device=device, size_name=a.size, size=SIZES[a.size], model=a.model,
+                    vocab_size=LLAMA_VOCAB_SIZE if a.model == "llama" else VOCAB_SIZE,
                     warmup=a.warmup + a.steps + 1, steps=1, repeats=1)
     marks = _Marks(a.warmup, a.steps)
     marks.event_calls = set(a.events)
     originals = [_patch(spec, marks) for spec in a.time]
     try:
-        lit.fit_timed(s, strategy_for(a.peer), callbacks=[marks])
+        lit.fit_timed(s, strategy_for(a.peer, model=a.model), callbacks=[marks])
     finally:
         _restore(originals)
     wall_us = 1e6 * (marks.wall[1] - marks.wall[0]) / a.steps
