@@ -306,7 +306,7 @@ class GPTLightningModule(LightningModule):
         """Refuse a data module whose windows are longer than the model's context, before the first batch.
 
         Raises:
-            cg_lightning.config.ConfigError (a ``ValueError``): the trainer's data module has a ``block_size``
+            cg_lightning.errors.ConfigError (a ``ValueError``): the trainer's data module has a ``block_size``
                 above the model's; ``python -m cg_lightning`` reports it as an ``error:`` line, exit status 2.
         """
         self.check_data(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
@@ -315,7 +315,7 @@ class GPTLightningModule(LightningModule):
         """The check of :meth:`setup`, for loops without a Trainer (``examples/train_accelerate.py``)."""
         data_block = getattr(datamodule, "block_size", None)
         if isinstance(data_block, int) and data_block > self.model.block_size:
-            from cg_lightning.config import ConfigError
+            from cg_lightning.errors import ConfigError
 
             raise ConfigError(
                 f"data.init_args.block_size: {data_block} is longer than the model's context, "

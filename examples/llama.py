@@ -72,12 +72,12 @@ class LlamaLightningModule(LightningModule):
         """Refuse a data module whose windows are longer than the model's context, before the first batch.
 
         Raises:
-            cg_lightning.config.ConfigError: the data's ``block_size`` is above the model's.
+            cg_lightning.errors.ConfigError: the data's ``block_size`` is above the model's.
         """
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         data_block = getattr(datamodule, "block_size", None)
         if isinstance(data_block, int) and data_block > self.block_size:
-            from cg_lightning.config import ConfigError
+            from cg_lightning.errors import ConfigError
 
             raise ConfigError(
                 f"data.init_args.block_size: {data_block} is longer than the model's context, "
