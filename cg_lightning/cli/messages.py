@@ -12,12 +12,13 @@ parses again without each value found bad, until the rest parses. :class:`Report
 from __future__ import annotations
 
 import re
+import typing
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
 from cg_lightning.errors import ConfigError
-from cg_lightning.option_checks import join_key
+from cg_lightning.option_checks import expected_type, join_key
 
 from .keys import Problem
 from .schema import ClassPathError, class_schema, resolve_class, suggest
@@ -60,6 +61,8 @@ def type_names(text: str) -> str:
     text = re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", text).replace("NoneType", "null")
     text = re.sub(r"Literal\[([^\]]*)\]", r"one of (\1)", text)
     parts = [p.strip() for p in re.split(r",\s*(?![^\[(]*[\])])", text) if p.strip()]
+    order = ("bool", "int", "float", "str")  # jsonargparse's order of Union members differs between versions
+    parts.sort(key=lambda p: (p == "null", order.index(p) if p in order else len(order), p.lower()))
     return " or ".join(parts)
 
 
@@ -141,6 +144,29 @@ def _with_suggestion(text: str, key: str, class_path: str) -> str:
     return f"unknown key{hint}: not an argument of {class_path}, which takes {', '.join(valid) or 'none'}"
 
 
+def _value_at(data: Any, key: str) -> Any:
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        if part.startswith("[") and isinstance(data, list) and int(part[1:-1]) < len(data):
+            data = data[int(part[1:-1])]
+        elif isinstance(data, dict) and part in data:
+            data = data[part]
+        else:
+            return None
+    return data
+
+
+def _from_annotation(key: str, merged: Any, class_path: str) -> Optional[str]:
+    """``expected <type>, got <value>`` from the constructor's annotation, where jsonargparse's own words say less
+    (some versions answer a ``Literal`` mismatch with "Cannot take a Union of no types.")."""
+    try:
+        hints = typing.get_type_hints(resolve_class(class_path, ()).__init__)
+    except Exception:  # noqa: BLE001 - no annotation to go by
+        return None
+    tp, value = hints.get(key.rsplit(".", 1)[-1]), _value_at(merged, key)
+    expected = expected_type(tp, value) if tp is not None else None
+    return f"expected {expected}, got {value!r}" if expected else None
+
+
 def place_list_items(key: str, merged: Any, class_path: Optional[str]) -> str:
     """``trainer.callbacks.init_args.mode`` -> ``trainer.callbacks[1].init_args.mode``: jsonargparse does not say
     which item of a list of classes failed; the item with the failing ``class_path`` is named."""
@@ -160,8 +186,18 @@ def place_list_items(key: str, merged: Any, class_path: Optional[str]) -> str:
 
 
 def _without(data: Any, key: str) -> Any:
-    """``data`` less the value at dotted ``key`` (the diagnosis goes on without a value found bad)."""
-    head, _, rest = key.partition(".")
+    """``data`` less the value at ``key`` (``a.b[1].c``): the diagnosis goes on without a value found bad."""
+    parts = re.findall(r"[^.\[\]]+|\[\d+\]", key)
+    if not parts:
+        return data
+    head, rest = parts[0], ".".join(parts[1:]).replace(".[", "[")
+    if head.startswith("["):
+        index = int(head[1:-1])
+        if not isinstance(data, list) or index >= len(data):
+            return data
+        if not rest:
+            return data[:index] + data[index + 1:]
+        return data[:index] + [_without(data[index], rest)] + data[index + 1:]
     if not isinstance(data, dict) or head not in data:
         return data
     if not rest:
@@ -212,6 +248,8 @@ def parse_problems(parser: Any, invocation: Invocation, first: Optional[BaseExce
             for data in sources:
                 merged = merge(merged, data)
             key = place_list_items(key, merged, class_path)
+            if not text.startswith(("expected", "unknown key", "missing", "interpolation")) and class_path:
+                text = _from_annotation(key, merged, class_path) or text
             if not key or any(p.key == key for p in problems):
                 break
             problems.append(Problem(key, text, value=True))

@@ -153,9 +153,12 @@ class Provenance:
     def __init__(self) -> None:
         self.exact: Dict[str, str] = {}
         self.whole: Dict[str, str] = {}
+        self.sections: Dict[str, str] = {}  #: mappings: the last source that wrote the section itself
 
     def record(self, data: Any, source: str, path: str = "") -> None:
         if isinstance(data, Mapping):
+            if path:
+                self.sections[path] = source
             for key, value in data.items():
                 self.record(value, source, join_key(path, key))
             return
@@ -175,7 +178,7 @@ class Provenance:
         while True:
             cut = max(probe.rfind("."), probe.rfind("["))
             if cut <= 0:
-                return None
+                return self.sections.get(key)
             probe = probe[:cut]
             if probe in self.whole:
                 return self.whole[probe]
