@@ -15,7 +15,7 @@ import torch
 
 import tests.helpers_config as helpers
 from cg_lightning.cli import main
-from tests.test_cli import BASE_YAML, GRAPHS, HELPERS
+from tests.test_cli import BASE_YAML, HELPERS
 
 S = "--trainer.strategy.init_args."
 STRATEGY_FILE = "trainer:\n  strategy:\n    class_path: cg_lightning.CUDAGraphDDPStrategy\n    init_args:\n{}"

@@ -22,9 +22,8 @@ and returns exit status 2, before any training step.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
@@ -95,7 +94,8 @@ class CGLightningCLI(LightningCLI):
         subcommands = getattr(self, "_subcommand_parsers", None)
         invocation = read_sources(args, expect_subcommand=subcommands is not None)
         if invocation.help:
-            return super().parse_arguments(parser, args)
+            self.config = parser.parse_args(args)  # prints the help and exits
+            return
         problems = list(invocation.problems)
         subcommand = invocation.subcommand
         sub_parser = subcommands.get(subcommand) if subcommands and subcommand else parser

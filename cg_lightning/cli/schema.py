@@ -19,12 +19,10 @@ import difflib
 import functools
 import importlib
 import inspect
-import sys
 import traceback
 import typing
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
-from cg_lightning.option_checks import join_key
 
 #: keys of a ``class_path`` node besides the constructor's arguments (jsonargparse's ``dict_kwargs`` takes
 #: arguments a ``**kwargs`` passes on where they cannot be resolved; ``__path__`` is its own bookkeeping)
