@@ -218,3 +218,24 @@ def test_callback_arguments_are_checked_as_graph_options():
 ])
 def test_expected_type(tp, value, expected):
     assert expected_type(tp, value) == expected
+
+
+@pytest.mark.parametrize("name", ["bucket_size_mb", "timeout_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e15, -1.0])
+def test_non_finite_and_out_of_range_numbers_refused(name, value):
+    with pytest.raises(ValueError, match=rf"^ddp\.{name}: expected (finite )?float > 0 and <= \d+, got "):
+        DDPOptions(**{name: value})
+
+
+def test_non_finite_numbers_refused_in_yaml(tmp_path, capsys):
+    from tests.test_cli import BASE_YAML
+
+    path = tmp_path / "options.yaml"
+    path.write_text(BASE_YAML.replace("  strategy: auto\n", "  strategy:\n    class_path: cg_lightning.CUDAGraphDDPStrategy"
+                                      "\n    init_args:\n      ddp: {bucket_size_mb: 1.0e+15, timeout_s: .nan}\n"))
+    capsys.readouterr()
+    assert main(["fit", "--config", str(path)]) == 2
+    lines = [line[len("error: "):] for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert lines == [
+        f"{path}: {STRATEGY_KEY}.ddp.bucket_size_mb: expected float > 0 and <= 1048576, got 1000000000000000.0",
+        f"{path}: {STRATEGY_KEY}.ddp.timeout_s: expected finite float > 0 and <= 10000000, got nan"]
