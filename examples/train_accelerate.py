@@ -144,11 +144,11 @@ def main(argv=None) -> None:
         accelerator = CUDAGraphAccelerator(graphs=strategy.graph_options, ddp=strategy.ddp_options, **common)
 
     try:
+        data.setup("fit")
         if hasattr(module, "check_data"):
             module.check_data(data)
-    except ConfigError as error:
+    except (ConfigError, OSError, ValueError) as error:
         raise SystemExit(report(cli.refusal(error))) from None
-    data.setup("fit")
     loader = data.train_dataloader()
     optimizer, scheduler = _optimizer_and_scheduler(module)
     if scheduler is None:

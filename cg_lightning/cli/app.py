@@ -32,7 +32,7 @@ from cg_lightning.errors import ConfigError
 
 from .keys import Problem, check_keys
 from .messages import Reporter, parse_problems
-from .refusals import checkpoint_problems, instantiation_problem, run_time_problems, trainer_problem
+from .refusals import checkpoint_problems, instantiation_problems, run_time_problems, trainer_problem
 from .schema import canonical, parser_schema
 from .values import check_values
 from .sources import COMMAND_LINE, Provenance, leaf_key, merge, read_sources, relative_interpolations
@@ -43,6 +43,10 @@ EXIT_CONFIG_ERROR = 2
 #: the parser settings every (sub)command parser gets: OmegaConf merging and interpolation, no abbreviated options
 #: (``--trainer.max_step`` must not silently mean ``max_steps``), errors raised to this class instead of printed
 PARSER_DEFAULTS = {"parser_mode": "omegaconf+", "exit_on_error": False, "allow_abbrev": False}
+
+
+#: parsers kept by :meth:`CGLightningCLI.setup_parser` for ``reuse_parsers=True``, per class and subcommand mode
+_PARSERS: Dict[Any, Any] = {}
 
 
 class _FirstBatch(Callback):
@@ -59,9 +63,10 @@ class _FirstBatch(Callback):
 class CGLightningCLI(LightningCLI):
     """``LightningCLI`` with OmegaConf interpolation and configuration errors that name the key and its file.
 
-    Takes ``LightningCLI``'s arguments. Defaults that differ: the parser mode ``omegaconf+``, ``trainer.strategy``
-    ``"cudagraph_ddp"``, the saved ``config.yaml`` may overwrite an earlier one (a run without logger writes it to
-    ``default_root_dir``).
+    Takes ``LightningCLI``'s arguments, and ``reuse_parsers`` (keep the parsers for the next instance of this class in
+    the process; for a fixed configuration of the class only). Defaults that differ: the parser mode ``omegaconf+``,
+    ``trainer.strategy`` ``"cudagraph_ddp"``, the saved ``config.yaml`` may overwrite an earlier one (a run without
+    logger writes it to ``default_root_dir``).
 
     Attributes:
         provenance: the source (file path or ``command line``) of every key, once parsed.
@@ -72,8 +77,11 @@ class CGLightningCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, trainer_defaults: Optional[Dict[str, Any]] = None,
-                 save_config_kwargs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+                 save_config_kwargs: Optional[Dict[str, Any]] = None, reuse_parsers: bool = False,
+                 **kwargs: Any) -> None:
         from jsonargparse import set_parsing_settings
+
+        self._reuse_parsers = reuse_parsers
 
         # absolute ${a.b} in a file are resolved inside the subcommand's section, where they are written
         set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
@@ -85,6 +93,21 @@ class CGLightningCLI(LightningCLI):
 
     def init_parser(self, **kwargs: Any) -> Any:
         return super().init_parser(**{**PARSER_DEFAULTS, **kwargs})
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: Dict[str, Any], subparser_kwargs: Dict[str, Any]) -> None:
+        """``LightningCLI``'s parsers; with ``reuse_parsers`` (what :func:`main` asks for) built once per process and
+        class: their construction (every signature of the Trainer, four times) costs more than a parse."""
+        key = (type(self), add_subcommands)
+        cached = _PARSERS.get(key) if self._reuse_parsers else None
+        if cached is not None:
+            self.parser, subcommand_parsers, method_arguments = cached
+            if subcommand_parsers is not None:
+                self._subcommand_parsers, self._subcommand_method_arguments = subcommand_parsers, method_arguments
+            return
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        if self._reuse_parsers:
+            _PARSERS[key] = (self.parser, getattr(self, "_subcommand_parsers", None),
+                             getattr(self, "_subcommand_method_arguments", None))
 
     # ------------------------------------------------------------------ parsing
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -147,7 +170,7 @@ class CGLightningCLI(LightningCLI):
         except ConfigError:
             raise
         except Exception as exc:
-            self._reporter.raise_if([instantiation_problem(self.config.get(str(self.subcommand), self.config), exc)], exc)
+            self._reporter.raise_if(instantiation_problems(self._section(), exc), exc)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         try:
@@ -161,16 +184,19 @@ class CGLightningCLI(LightningCLI):
         """``error``, raised by a user's own loop before training (a :class:`ConfigError` such as the example
         models' data check, a ``MisconfigurationException``), worded as the command line words it: full keys, each
         with the file it came from."""
-        trainer = self._get(self.config, "trainer")
-        problems = run_time_problems(error, trainer) or [Problem("", f"{type(error).__name__}: {error}")]
-        return self._reporter.error(problems)
+        problems = run_time_problems(error, self._section(), getattr(self, "datamodule", None))
+        return self._reporter.error(problems or [Problem("", f"{type(error).__name__}: {error}")])
+
+    def _section(self) -> Any:
+        """The parsed configuration of the subcommand (the whole one without subcommands)."""
+        return self.config.get(str(self.subcommand), self.config) if getattr(self, "subcommand", None) else self.config
 
     # ------------------------------------------------------------------ running
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
         except Exception as exc:
-            problems = None if self._first_batch.started else run_time_problems(exc, self._get(self.config, "trainer"))
+            problems = None if self._first_batch.started else run_time_problems(exc, self._section(), self.datamodule)
             if problems is None:
                 raise
             self._reporter.raise_if(problems, exc)
@@ -199,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv is not None:  # Lightning's launcher of further processes re-runs sys.argv: it must hold the arguments
         sys.argv = [sys.argv[0] if sys.argv else "cg_lightning", *argv]
     try:
-        CGLightningCLI()
+        CGLightningCLI(reuse_parsers=True)
     except ConfigError as error:
         return report(error)
     except SystemExit as exc:

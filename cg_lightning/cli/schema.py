@@ -155,6 +155,8 @@ def resolve_class(class_path: Any, bases: Tuple[type, ...]) -> type:
             traceback when the module itself raised), has no such attribute (with a close match), or the name is
             not a class of one of ``bases``.
     """
+    if class_path == "???":
+        raise ClassPathError("missing value ('???'); expected the import path of a class")
     if not isinstance(class_path, str) or not class_path:
         raise ClassPathError(f"expected the import path of a class, got {class_path!r}")
     module_name, _, attr = class_path.rpartition(".")
@@ -182,7 +184,10 @@ def resolve_class(class_path: Any, bases: Tuple[type, ...]) -> type:
         close = difflib.get_close_matches(attr, names, n=1)
         hint = f" (did you mean '{module_name}.{close[0]}'?)" if close else ""
         raise ClassPathError(f"module {module_name!r} has no attribute {attr!r}{hint}")
-    if not inspect.isclass(cls) or (bases and not issubclass(cls, bases)):
+    if not inspect.isclass(cls):
+        raise ClassPathError(f"{class_path} is a {type(cls).__name__}, not a class; expected a subclass of "
+                             f"{_names(bases)}")
+    if bases and not issubclass(cls, bases):
         raise ClassPathError(f"{class_path} is not a subclass of {_names(bases)}")
     return cls
 

@@ -81,12 +81,15 @@ def read_yaml_file(path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     return dict(data), None
 
 
-def parse_value(text: str) -> Any:
-    """An override's value as the parser reads it: YAML where it parses, else the string itself."""
+def parse_value(text: str) -> Tuple[Any, Optional[str]]:
+    """An override's value as the parser reads it: YAML where it parses, else the string itself; and the YAML
+    error of a value that looks like a list or a mapping (``[1,``) but is not one."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+        return yaml.safe_load(text), None
+    except yaml.YAMLError as exc:
+        if text.lstrip().startswith(("[", "{")):
+            return text, " ".join(str(getattr(exc, "problem", None) or exc).split())
+        return text, None
 
 
 def read_sources(args: Sequence[str], expect_subcommand: bool = True) -> Invocation:
@@ -135,8 +138,11 @@ def read_sources(args: Sequence[str], expect_subcommand: bool = True) -> Invocat
                 inv.problems.append(f"{COMMAND_LINE}: {arg} has no value; expected {arg}=VALUE")
                 i += 1
                 continue
-            if key and not key.endswith("+"):
-                inv.sources.append(Source(COMMAND_LINE, nest(key, parse_value(value)), i))
+            parsed, broken = parse_value(value)
+            if broken:
+                inv.problems.append(f"{COMMAND_LINE}: --{key}={value}: not a valid YAML value ({broken})")
+            elif key and not key.endswith("+"):
+                inv.sources.append(Source(COMMAND_LINE, nest(key, parsed), i))
         elif "=" in arg and not arg.startswith("-"):
             inv.problems.append(f"{COMMAND_LINE}: {arg!r} is not an option; overrides are written --{arg}")
         i += 1

@@ -22,13 +22,16 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _at_least(bound: float, allow_none: bool = True) -> Callable[[Any], Optional[str]]:
+def _at_least(bound: float, allow_none: bool = True, integer: bool = True) -> Callable[[Any], Optional[str]]:
+    """A check of an int (or, ``integer=False``, a finite number) ``>= bound``, or null where ``allow_none``."""
     def check(value: Any) -> Optional[str]:
         if value is None and allow_none:
             return None
-        if _number(value) and math.isfinite(value) and value >= bound:
+        kind_ok = isinstance(value, int) if integer else math.isfinite(value) if _number(value) else False
+        if _number(value) and kind_ok and value >= bound:
             return None
-        return f"expected a finite number >= {bound}{' or null' if allow_none else ''}, got {value!r}"
+        kind = "an int" if integer else "a finite number"
+        return f"expected {kind} >= {bound}{' or null' if allow_none else ''}, got {value!r}"
     return check
 
 
@@ -59,7 +62,7 @@ TRAINER_RANGES: Dict[str, Callable[[Any], Optional[str]]] = {
     "min_epochs": _at_least(0),
     "min_steps": _at_least(0),
     "accumulate_grad_batches": _at_least(1, allow_none=False),
-    "gradient_clip_val": _at_least(0),
+    "gradient_clip_val": _at_least(0, integer=False),
     "log_every_n_steps": _at_least(1),
     "num_sanity_val_steps": _at_least(-1),
     "check_val_every_n_epoch": _at_least(1),
