@@ -58,7 +58,8 @@ On the command line: `python -m cg_lightning fit --config configs/gpt_tiny.yaml
 --trainer.strategy.init_args.graphs.segments=false` ([cli.md](cli.md)).
 An unknown key is refused with the closest valid name. A value of the wrong type raises `TypeError`, one out of
 range or not among the choices `ValueError`; in Python and in YAML the message names the option, the value given
-and what is accepted (`graphs.warmup_steps: expected int, got 'two'`). Defaults are shown as Python values (YAML
+and what is accepted (`graphs.warmup_steps: expected int, got 'two'`). A number with a bound must be finite;
+`ddp.bucket_size_mb` is at most 1048576 (1 TiB), `ddp.timeout_s` at most 10^7. Defaults are shown as Python values (YAML
 writes `true`, `false`, `null`). What each option changes in a training step: [design.md](design.md); when to
 change one: [limitations.md](limitations.md).
 """

@@ -107,7 +107,7 @@ CONFIGS = {
     "seed=abc": _file("seed.yaml", "seed_everything: abc\n", "seed_everything:"),
     # unknown keys, at every level (8)
     "unknown-top": _file("u.yaml", "trainr: {max_steps: 1}\n", "trainr:"),
-    "unknown-old-shape": _file("u.yaml", "strategy: {name: ddp}\n", "strategy:"),
+    "unknown-strategy-at-the-top": _file("u.yaml", "strategy: {name: ddp}\n", "strategy:"),
     "unknown-seed": _file("u.yaml", "seed: 3\n", "seed:"),
     "unknown-trainer": _override("--trainer.max_step=3", "trainer.max_step:"),
     "unknown-model-arg": _override("--model.init_args.n_layr=2", "model.init_args.n_layr:"),

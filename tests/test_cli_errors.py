@@ -51,7 +51,7 @@ CASES = [
     ("unknown-callback-init-arg", {}, [f"--trainer.callbacks=[{{class_path: {HELPERS}.RecordingCallback, "
                                        "init_args: {tagg: a}}]"],
      ["command line: trainer.callbacks[0].init_args.tagg: unknown key (did you mean 'tag'?)"]),
-    ("old-option-spelling", {}, ["--ckpt-path", "x.ckpt"], ["command line: ckpt-path: unknown key (did you mean "
+    ("option-spelled-with-dashes", {}, ["--ckpt-path", "x.ckpt"], ["command line: ckpt-path: unknown key (did you mean "
                                                              "'ckpt_path'?)"]),
     # ------------------------------------------------------------------ wrong types
     ("wrong-type-in-file", {"bad.yaml": "trainer:\n  max_steps: abc\n"}, ["--config", "{bad.yaml}"],

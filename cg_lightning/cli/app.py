@@ -21,7 +21,6 @@ and returns exit status 2, before any training step.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any, Dict, Optional, Sequence
 
@@ -147,9 +146,9 @@ class CGLightningCLI(LightningCLI):
                     args[source.arg_index] = f"{key}={relative_interpolations(value, canonical_key)}"
         try:
             self.config = parser.parse_args(args)
-        except (argparse.ArgumentError, Exception) as exc:
-            if isinstance(exc, ConfigError):
-                raise
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - jsonargparse's ArgumentError, OmegaConf's interpolation errors
             self._reporter.raise_if(parse_problems(sub_parser, invocation, exc, subcommand), exc)
         self._reporter.raise_if(check_values(self.config.get(subcommand, self.config) if subcommand else self.config))
 
@@ -161,7 +160,11 @@ class CGLightningCLI(LightningCLI):
         path = self.config[self.config.subcommand].get("ckpt_path")
         if path:
             self._reporter.raise_if(checkpoint_problems(str(path)))
-        super()._parse_ckpt_path()
+        try:
+            super()._parse_ckpt_path()
+        except Exception as exc:  # noqa: BLE001 - the model's hyperparameters saved in it do not fit the parser
+            self._reporter.raise_if([Problem("ckpt_path", f"{path!r}: the model hyperparameters saved in it do not "
+                                                          f"parse: {' '.join(str(exc).split())[:300]}")], exc)
 
     # ------------------------------------------------------------------ building
     def instantiate_classes(self) -> None:
