@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import math
+import numbers
 import os
 import sysconfig
 from pathlib import Path
@@ -44,12 +45,13 @@ def check_arguments(**checks: tuple) -> None:
 
 
 def whole(value, low: int = 1) -> bool:
-    """``value`` is an int (not a bool) ``>= low``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+    """``value`` is an integer (not a bool) ``>= low``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
 
 
 def finite_at_least(value, low: float, strict: bool = False) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """``value`` is a finite real number ``>= low`` (``> low`` when ``strict``)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             and (value > low if strict else value >= low))
 
 

@@ -9,6 +9,8 @@ name the key at fault and the file it came from; :func:`main` runs it and turns 
 * :mod:`~cg_lightning.cli.schema`: which keys exist where (parser arguments, constructors, option dataclasses);
 * :mod:`~cg_lightning.cli.keys`: unknown keys, class paths that do not import, a missing model, all at once;
 * :mod:`~cg_lightning.cli.messages`: jsonargparse's errors as ``<source>: <key>: <what is wrong>`` lines;
+* :mod:`~cg_lightning.cli.diagnosis`: every value the parser rejects, not only the first;
+* :mod:`~cg_lightning.cli.values`: numbers out of range, folders that cannot be written;
 * :mod:`~cg_lightning.cli.refusals`: constructors, the Trainer, checkpoints and the run refusing before training.
 """
 

@@ -30,7 +30,8 @@ from lightning.pytorch.cli import LightningCLI
 from cg_lightning.errors import ConfigError
 
 from .keys import Problem, check_keys
-from .messages import Reporter, parse_problems
+from .diagnosis import parse_problems
+from .messages import Reporter
 from .refusals import checkpoint_problems, instantiation_problems, run_time_problems, trainer_problem
 from .schema import canonical, parser_schema
 from .values import check_values
@@ -228,7 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv is not None:  # Lightning's launcher of further processes re-runs sys.argv: it must hold the arguments
         sys.argv = [sys.argv[0] if sys.argv else "cg_lightning", *argv]
     try:
-        CGLightningCLI(reuse_parsers=True)
+        CGLightningCLI(reuse_parsers=True, parser_kwargs={"prog": "python -m cg_lightning"})
     except ConfigError as error:
         return report(error)
     except SystemExit as exc:

@@ -1,30 +1,25 @@
-"""Problems the parser, the constructors, the Trainer and the run report, as lines that name the key and its file.
+"""jsonargparse's errors as lines that name the full key, and the file each key came from.
 
 jsonargparse words a bad value as a tree: ``Parser key "model": ... Problem with given class_path '...': Parser
 key "n_layer": Expected a <class 'int'>. Got value: abc``, with the alternatives of every ``Union`` it tried.
 :func:`translate` walks that tree to the innermost problem and its full key (``model.init_args.n_layer: expected
-int, got 'abc'``). :func:`parse_problems` finds every such problem of a configuration, not only the first: it
-parses again without each value found bad, until the rest parses. :class:`Reporter` adds the source of each key
-(:class:`~cg_lightning.cli.sources.Provenance`) and raises them together as one
-:class:`~cg_lightning.errors.ConfigError`.
+int, got 'abc'``). :class:`Reporter` adds the source of each key (:class:`~cg_lightning.cli.sources.Provenance`)
+and raises the problems together as one :class:`~cg_lightning.errors.ConfigError`. Finding every problem of a
+configuration, not only the first: :mod:`cg_lightning.cli.diagnosis`.
 """
 
 from __future__ import annotations
 
 import re
-import typing
-from typing import Any, List, Optional, Sequence, Tuple, Union
-
-import yaml
+from typing import List, Optional, Sequence, Tuple, Union
 
 from cg_lightning.errors import ConfigError
-from cg_lightning.option_checks import expected_type, join_key
+from cg_lightning.option_checks import join_key
 
 from .keys import Problem
 from .schema import ClassPathError, class_schema, resolve_class, suggest
-from .sources import Invocation, Provenance, merge
+from .sources import Provenance
 
-MAX_PROBLEMS = 20
 #: alternatives of a Union that only say the value is not of that type
 _MISMATCH = re.compile(r"^(Expected a |Not a valid subclass|Expected a path but|Expected a dot import path|Import path )")
 _EXPECTED = re.compile(r"^Expected a (.+?)\. Got value: (.*)$", re.S)
@@ -68,22 +63,23 @@ def type_names(text: str) -> str:
 
 def translate(message: str, key: str = "") -> Tuple[str, str]:
     """``(full key, what is wrong)`` for a jsonargparse error message (see the module docstring)."""
-    key, text, _ = _translate(message, key, None)
+    key, text, _ = translate_through(message, key, None)
     return key, text
 
 
-def _translate(message: str, key: str, class_path: Optional[str]) -> Tuple[str, str, Optional[str]]:
-    """:func:`translate`, also returning the innermost ``class_path`` the key went through (to place list items)."""
+def translate_through(message: str, key: str, class_path: Optional[str]) -> Tuple[str, str, Optional[str]]:
+    """:func:`translate` below ``key``, also returning the innermost ``class_path`` the key went through (to place
+    list items)."""
     blocks = _blocks(message.splitlines())
     for i, (head, body) in enumerate(blocks):
         m = _PARSER_KEY.match(head)
         if m:
             sub = m.group(1) + (f"[{int(m.group(2)) - 1}]" if m.group(2) else "")
-            return _translate("\n".join(([m.group(3)] if m.group(3) else []) + body), join_key(key, sub), class_path)
+            return translate_through("\n".join(([m.group(3)] if m.group(3) else []) + body), join_key(key, sub), class_path)
         m = _CLASS_PATH.match(head)
         if m:
             inner = "\n".join(([m.group(2)] if m.group(2) else []) + body)
-            sub_key, text, inner_class = _translate(inner, join_key(key, "init_args"), m.group(1))
+            sub_key, text, inner_class = translate_through(inner, join_key(key, "init_args"), m.group(1))
             return sub_key, _with_suggestion(text, sub_key, m.group(1)), inner_class or m.group(1)
         if head.startswith("Does not validate against any of the Union subtypes"):
             return _union(blocks[i + 1:], key, class_path)
@@ -119,7 +115,7 @@ def _union(blocks: List[Tuple[str, List[str]]], key: str, class_path: Optional[s
     telling = [(h, b) for h, b in errors if not _MISMATCH.match(h)]
     if telling:
         head, body = telling[0]
-        return _translate("\n".join([head, *body]), key, class_path)
+        return translate_through("\n".join([head, *body]), key, class_path)
     accepted = type_names(subtypes)
     hint = ""
     if re.search(r"\b[A-Z]\w+", accepted.replace("Literal", "").replace("Iterable", "")):
@@ -127,6 +123,16 @@ def _union(blocks: List[Tuple[str, List[str]]], key: str, class_path: Optional[s
     if given == "???":
         return key, f"missing value ('???'); expected {accepted}{hint}", class_path
     return key, f"expected {accepted}, got {given!r}{hint}", class_path
+
+
+def union_reason(message: str) -> Optional[str]:
+    """The telling alternative of a failed ``Union`` (a constructor's own words), as it was raised; or ``None``."""
+    for head, body in _blocks(message.splitlines()):
+        if head.startswith("Errors:"):
+            for item, lines in _blocks(body):
+                if not _MISMATCH.match(item):
+                    return "\n".join([item, *(line.strip() for line in lines)])
+    return None
 
 
 def _with_suggestion(text: str, key: str, class_path: str) -> str:
@@ -142,122 +148,6 @@ def _with_suggestion(text: str, key: str, class_path: str) -> str:
     close = suggest(key.rsplit(".", 1)[-1], valid)
     hint = f" (did you mean '{close}'?)" if close else ""
     return f"unknown key{hint}: not an argument of {class_path}, which takes {', '.join(valid) or 'none'}"
-
-
-def _value_at(data: Any, key: str) -> Any:
-    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
-        if part.startswith("[") and isinstance(data, list) and int(part[1:-1]) < len(data):
-            data = data[int(part[1:-1])]
-        elif isinstance(data, dict) and part in data:
-            data = data[part]
-        else:
-            return None
-    return data
-
-
-def _from_annotation(key: str, merged: Any, class_path: str) -> Optional[str]:
-    """``expected <type>, got <value>`` from the constructor's annotation, where jsonargparse's own words say less
-    (some versions answer a ``Literal`` mismatch with "Cannot take a Union of no types.")."""
-    try:
-        hints = typing.get_type_hints(resolve_class(class_path, ()).__init__)
-    except Exception:  # noqa: BLE001 - no annotation to go by
-        return None
-    tp, value = hints.get(key.rsplit(".", 1)[-1]), _value_at(merged, key)
-    expected = expected_type(tp, value) if tp is not None else None
-    return f"expected {expected}, got {value!r}" if expected else None
-
-
-def place_list_items(key: str, merged: Any, class_path: Optional[str]) -> str:
-    """``trainer.callbacks.init_args.mode`` -> ``trainer.callbacks[1].init_args.mode``: jsonargparse does not say
-    which item of a list of classes failed; the item with the failing ``class_path`` is named."""
-    parts, node, out = key.split("."), merged, []
-    for part in parts:
-        if isinstance(node, list):
-            matches = [i for i, item in enumerate(node) if isinstance(item, dict) and item.get("class_path") == class_path]
-            index = matches[0] if matches else 0
-            out[-1] += f"[{index}]"
-            node = node[index] if node else None
-        out.append(part)
-        name, _, index = part.partition("[")
-        node = node.get(name) if isinstance(node, dict) else None
-        if index and isinstance(node, list):
-            node = node[int(index.rstrip("]"))] if int(index.rstrip("]")) < len(node) else None
-    return ".".join(out)
-
-
-def _without(data: Any, key: str) -> Any:
-    """``data`` less the value at ``key`` (``a.b[1].c``): the diagnosis goes on without a value found bad."""
-    parts = re.findall(r"[^.\[\]]+|\[\d+\]", key)
-    if not parts:
-        return data
-    head, rest = parts[0], ".".join(parts[1:]).replace(".[", "[")
-    if head.startswith("["):
-        index = int(head[1:-1])
-        if not isinstance(data, list) or index >= len(data):
-            return data
-        if not rest:
-            return data[:index] + data[index + 1:]
-        return data[:index] + [_without(data[index], rest)] + data[index + 1:]
-    if not isinstance(data, dict) or head not in data:
-        return data
-    if not rest:
-        return {k: v for k, v in data.items() if k != head}
-    return {**data, head: _without(data[head], rest)}
-
-
-def describe(exc: BaseException, subcommand: Optional[str] = None) -> Tuple[str, str, Optional[str]]:
-    """``(full key, what is wrong, innermost class_path)`` for a parse failure: a jsonargparse error
-    (:func:`translate`) or an OmegaConf interpolation that does not resolve (its ``full_key``, without the
-    subcommand's section)."""
-    full_key = getattr(exc, "full_key", None)
-    if full_key is not None and type(exc).__module__.startswith("omegaconf"):
-        key = str(full_key)
-        if subcommand and key.startswith(subcommand + "."):
-            key = key[len(subcommand) + 1:]
-        text = first_line(exc).replace(f"'{subcommand}.", "'") if subcommand else first_line(exc)
-        text = re.sub(r"Interpolation key '[^']*' not found \(resolved to '([^']*)'\)", r"no key '\1'", text)
-        return key, f"interpolation does not resolve: {text}", None
-    return _translate(str(exc), "", None)
-
-
-def parse_problems(parser: Any, invocation: Invocation, first: Optional[BaseException], subcommand: Optional[str],
-                   skip: Sequence[str] = ()) -> List[Problem]:
-    """Every value of the configuration the parser rejects, each with its full key (see the module docstring).
-
-    Args:
-        parser: the subcommand's parser.
-        invocation: the sources, in order (canonical data).
-        first: the error of the real parse, translated alone when the diagnosis does not reproduce it.
-        subcommand: the subcommand, whose section interpolation errors name first.
-        skip: keys already reported, left out of every parse.
-    """
-    sources = [s.data for s in invocation.sources]
-    for key in skip:
-        sources = [_without(data, key) for data in sources]
-    problems: List[Problem] = []
-    for _ in range(MAX_PROBLEMS):
-        args: List[str] = []
-        for data in sources:
-            args += ["--config", yaml.safe_dump(data, default_flow_style=True, width=10**9).strip()]
-        try:
-            parser.parse_args(args)
-            break
-        except Exception as exc:  # noqa: BLE001 - every parse failure is reported, whatever its type
-            key, text, class_path = describe(exc, subcommand)
-            merged: dict = {}
-            for data in sources:
-                merged = merge(merged, data)
-            key = place_list_items(key, merged, class_path)
-            if not text.startswith(("expected", "unknown key", "missing", "interpolation")) and class_path:
-                text = _from_annotation(key, merged, class_path) or text
-            if not key or any(p.key == key for p in problems):
-                break
-            problems.append(Problem(key, text, value=True))
-            sources = [_without(data, key) for data in sources]
-    if not problems and first is not None:
-        key, text, _ = describe(first, subcommand)
-        problems.append(Problem(key or "configuration", text))
-    return problems
 
 
 class Reporter:

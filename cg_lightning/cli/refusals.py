@@ -21,7 +21,7 @@ from cg_lightning.errors import ConfigError
 from cg_lightning.option_checks import join_key
 
 from .keys import STRATEGY_KEY, Problem
-from .messages import first_line
+from .messages import first_line, union_reason
 from .schema import ClassPathError, resolve_class, suggest
 
 #: what a refusal of these types means is in its message; other exceptions keep their traceback as details
@@ -76,6 +76,13 @@ def instantiation_problems(config: Any, exc: BaseException) -> List[Problem]:
             key, class_path = match[0][0], match[0][1]
             exc = raised
             break
+    if key == "configuration":  # no constructor frame to go by: the class the failed Union was given, and its words
+        given = re.search(r"class_path='([^']+)'", str(exc))
+        match = [n for n in nodes if given and n[1] == given.group(1)]
+        reason = union_reason(str(exc))
+        if match and reason:
+            key, class_path = match[0][0], match[0][1]
+            exc = ValueError(reason)
     if isinstance(exc, _ARGUMENT_ERRORS):
         named = _argument_lines(exc, key, nodes, class_path)
         if named:
