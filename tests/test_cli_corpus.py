@@ -224,7 +224,9 @@ def _refused(tmp_path, capsys, args, expected, names):
     base.write_text(BASE)
     names["base.yaml"] = str(base)
     capsys.readouterr()
-    assert main(["fit", "--config", str(base), *(_fill(a, names) for a in args)]) == 2
+    root = tmp_path / "runs"
+    assert main(["fit", "--config", str(base), f"--trainer.default_root_dir={root}",
+                 *(_fill(a, names) for a in args)]) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     fragments = [_fill(e, names) for e in expected]
