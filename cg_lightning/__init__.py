@@ -5,7 +5,7 @@ when it is installed, ``pytorch_lightning``: at once for a package already impor
 (:mod:`._lightning_hook`). ``CUDAGraphDDPStrategy`` below is the ``lightning.pytorch`` class; the
 ``pytorch_lightning`` one is in :mod:`cg_lightning.pytorch_lightning`. The public names are resolved on first use
 (PEP 562), so ``import cg_lightning.graphs`` or ``cg_lightning.ddp`` loads torch only, never Lightning,
-Accelerate or OmegaConf.
+Accelerate, OmegaConf or jsonargparse.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ _EXPORTS = {
 
 #: subpackages and modules reachable as attributes of the package (``cg_lightning.callbacks``)
 _SUBMODULES = frozenset({
-    "accelerate", "callbacks", "cli", "collate", "config", "ddp", "graphs", "optim", "options", "phase", "protocol",
-    "pytorch_lightning", "strategy", "torch_compat",
+    "accelerate", "callbacks", "cli", "collate", "ddp", "errors", "graphs", "optim", "options", "phase", "protocol",
+    "pytorch_lightning", "setup_checks", "strategy", "torch_compat",
 })
 
 __all__ = sorted(_EXPORTS)

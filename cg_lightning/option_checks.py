@@ -2,12 +2,12 @@
 
 A field's annotation gives its type (``bool``, ``int``, ``float``, ``str``, ``Literal[...]``, ``List[...]``, a
 mapping, ``Optional``/``Union`` of these); its ``metadata`` may add a constraint made by :func:`one_of`,
-:func:`at_least` or :func:`above`. :func:`check_options` checks every field of an options dataclass (the
-``__post_init__`` of :class:`~cg_lightning.graphs.GraphOptions` and :class:`~cg_lightning.ddp.DDPOptions` calls
-it, so ``GraphOptions(...)``, option dicts and YAML files all pass through it). The YAML loader
-(:mod:`cg_lightning.config.validation`) and the component builder (:mod:`cg_lightning.config.instantiate`) word
-their own checks with :func:`type_name`, :func:`expected_type`, :func:`mismatch_text` and
-:func:`unknown_key_text`. Every message reads ``<key>: expected <what is accepted>, got <value>``.
+:func:`at_least`, :func:`above` or :func:`at_most` (a number with a bound must be finite). :func:`check_options`
+checks every field of an options dataclass (the ``__post_init__`` of :class:`~cg_lightning.graphs.GraphOptions`
+and :class:`~cg_lightning.ddp.DDPOptions` calls it, so ``GraphOptions(...)``, option dicts and YAML files all pass
+through it: the command line builds the options from YAML before its parser would, :mod:`cg_lightning.cli.keys`).
+:func:`type_name`, :func:`expected_type`, :func:`mismatch_text` and :func:`unknown_key_text` word the other checks
+of option values the same way. Every message reads ``<key>: expected <what is accepted>, got <value>``.
 
 Standard library only, so the engine packages (``graphs/``, ``ddp/``) may import it, as they import
 :mod:`cg_lightning.protocol`.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import numbers
 import typing
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
@@ -122,16 +123,29 @@ def above(bound: float) -> Dict[str, Any]:
     return {"above": bound}
 
 
+def at_most(bound: float) -> Dict[str, Any]:
+    """Field metadata: the value must be ``<= bound`` (combine with another: ``{**above(0), **at_most(8)}``)."""
+    return {"at_most": bound}
+
+
 def _constraint_problem(tp: Any, metadata: Mapping[str, Any], value: Any) -> Optional[str]:
     if "one_of" in metadata and value not in metadata["one_of"]:
         return f"one of {metadata['one_of']}"
-    if value is None:
+    if value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    if "at_least" in metadata and not value >= metadata["at_least"]:
-        return f"{type_name(strip_optional(tp)[0])} >= {metadata['at_least']}"
-    if "above" in metadata and not value > metadata["above"]:
-        return f"{type_name(strip_optional(tp)[0])} > {metadata['above']}"
-    return None
+    bounds = []
+    if "at_least" in metadata:
+        bounds.append((f">= {metadata['at_least']}", value >= metadata["at_least"]))
+    if "above" in metadata:
+        bounds.append((f"> {metadata['above']}", value > metadata["above"]))
+    if "at_most" in metadata:
+        bounds.append((f"<= {metadata['at_most']}", value <= metadata["at_most"]))
+    finite = math.isfinite(value)
+    if finite and all(ok for _, ok in bounds):
+        return None
+    name = type_name(strip_optional(tp)[0])
+    return f"{'' if finite or not bounds else 'finite '}{name} {' and '.join(text for text, _ in bounds)}".strip() \
+        if bounds else f"finite {name}"
 
 
 def check_options(options: Any, section: str) -> None:
@@ -162,30 +176,9 @@ def check_options(options: Any, section: str) -> None:
         raise (TypeError if wrong_type else ValueError)("\n".join(problems))
 
 
-def _nested_paths(key: str, schema: Any, depth: int = 2) -> List[str]:
-    """Paths (relative to ``schema``) of the sections below it that have a field named ``key``:
-    ``['strategy.graphs']`` for ``graphs`` at the top level."""
-    found: List[str] = []
-    if depth == 0 or not dataclasses.is_dataclass(schema):
-        return found
-    for name, tp in field_types(schema).items():
-        inner, _ = strip_optional(tp)
-        if dataclasses.is_dataclass(inner):
-            if key in field_types(inner):
-                found.append(f"{name}.{key}")
-            found.extend(f"{name}.{p}" for p in _nested_paths(key, inner, depth - 1))
-    return found
-
-
-def unknown_key_text(key: Any, parent_path: str, valid: List[str], schema: Any = None) -> str:
-    """``unknown key (did you mean 'max_steps'?); valid keys under 'trainer': ...``; a key that exists one
-    or two sections further down (``graphs`` at the top level) is pointed there (``'strategy.graphs'``)."""
+def unknown_key_text(key: Any, parent_path: str, valid: List[str]) -> str:
+    """``unknown key (did you mean 'max_steps'?); valid keys under 'trainer': ...``."""
     close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-    nested = [] if close or schema is None else _nested_paths(str(key), schema)
-    if nested:
-        close = [" or ".join(f"'{join_key(parent_path, p)}'" for p in nested[:3])]
-    elif close:
-        close = [f"'{close[0]}'"]
-    hint = f" (did you mean {close[0]}?)" if close else ""
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
     where = f"under '{parent_path}'" if parent_path else "at the top level"
     return f"unknown key{hint}; valid keys {where}: {', '.join(valid)}"

@@ -54,6 +54,7 @@ from .graphs import GraphManager, GraphOptions, GraphStats
 from .lifecycle import TrainingDriver, apply_graphs, build_driver
 from .lightning_faults import FaultsMixin
 from .options import as_options
+from .setup_checks import check_setup, check_train_data
 from .torch_ddp_options import split_torch_ddp_kwargs
 
 
@@ -149,7 +150,9 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
     def setup(self, trainer: Any) -> None:
         """Lightning's DDP setup (which calls :meth:`configure_ddp` when fitting); outside fitting
         (``trainer.validate/test/predict``) with ``graphs.capture_eval`` also a graph manager for eval-mode
-        graphs only (no DDP engine: nothing to reduce), removed again at teardown."""
+        graphs only (no DDP engine: nothing to reduce), removed again at teardown. Options that cannot work with
+        the model or the device are refused first (:func:`~cg_lightning.setup_checks.check_setup`)."""
+        check_setup(self, trainer)
         super().setup(trainer)
         options = self.graph_options
         if (trainer.state.fn != self._lightning_ns.fitting and options.enabled and options.capture_eval
@@ -157,6 +160,12 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
             manager = apply_graphs(self.lightning_module, self.graph_options, self.root_device,
                                    accumulate_into_main_grad=False)
             self.driver = TrainingDriver(self.graph_options, manager, None)
+
+    @override
+    def on_train_start(self) -> None:
+        """Refuses training data the shape policy cannot take (:func:`~cg_lightning.setup_checks.check_train_data`)."""
+        check_train_data(self, self.lightning_module.trainer)
+        super().on_train_start()
 
     @override
     def configure_ddp(self) -> None:

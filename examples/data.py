@@ -14,6 +14,8 @@ left by one token.  Sources:
 from __future__ import annotations
 
 import codecs
+import math
+import numbers
 import os
 import sysconfig
 from pathlib import Path
@@ -26,10 +28,52 @@ from torch.utils.data import DataLoader, Dataset
 
 from examples.resumable import resumable_loader
 
-__all__ = ["TextDataModule", "TokenWindowDataset", "read_stdlib_bytes", "read_text_bytes"]
+__all__ = ["TextDataModule", "TokenWindowDataset", "check_arguments", "finite_at_least", "model_fit_problems",
+           "read_stdlib_bytes", "read_text_bytes", "whole"]
 
 # Directory names never descended into when collecting the standard library.
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+
+
+def check_arguments(**checks: tuple) -> None:
+    """Refuse constructor arguments out of range, every one at once: ``name=(value, ok, expected)``.
+
+    Raises:
+        ValueError: one ``<name>: expected <expected>, got <value>`` line per failed check.
+    """
+    problems = [f"{name}: expected {expected}, got {value!r}" for name, (value, ok, expected) in checks.items() if not ok]
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def whole(value, low: int = 1) -> bool:
+    """``value`` is an integer (not a bool) ``>= low``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
+
+
+def finite_at_least(value, low: float, strict: bool = False) -> bool:
+    """``value`` is a finite real number ``>= low`` (``> low`` when ``strict``)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > low if strict else value >= low))
+
+
+def model_fit_problems(datamodule, vocab_size: int, block_size: int) -> list[str]:
+    """Why the data of ``datamodule`` (after its ``setup``) cannot feed a model with ``vocab_size`` token ids and
+    ``block_size`` positions: windows longer than the model's context, token ids beyond its vocabulary."""
+    problems = []
+    data_block = getattr(datamodule, "block_size", None)
+    if isinstance(data_block, int) and data_block > block_size:
+        problems.append(
+            f"data.init_args.block_size: {data_block} is longer than the model's context, model.init_args.block_size: "
+            f"{block_size}; the model cannot take windows that long. Set the data's block_size to at most the model's "
+            "(the shipped configs set it to ${model.init_args.block_size}), or raise the model's.")
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    if isinstance(data_vocab, int) and data_vocab > vocab_size:
+        source = getattr(datamodule, "path", None)
+        what = f"the token ids of {source!r} reach {data_vocab - 1}" if source else f"the data has {data_vocab} token ids"
+        problems.append(f"data.init_args.path: {what}, beyond the model's vocabulary, model.init_args.vocab_size: "
+                        f"{vocab_size}; set the model's vocab_size to at least {data_vocab}")
+    return problems
 
 
 def _limit_reached(total: int, max_bytes: int | None) -> bool:
@@ -132,6 +176,9 @@ def read_text_bytes(path: str | os.PathLike, max_bytes: int | None = None) -> by
             chunks.append(data)
             total += len(data)
         return _join(chunks, max_bytes)
+    if p.exists():
+        raise ValueError(f"data path {str(p)!r} is neither a regular file nor a folder (a device or a pipe); expected "
+                         "a UTF-8 text file, a directory of UTF-8 text files, or a .bin file of uint16 token ids")
     raise FileNotFoundError(
         f"data path {str(p)!r} does not exist; expected a UTF-8 text file, a directory "
         f"of UTF-8 text files, or a .bin file of uint16 token ids"
@@ -242,10 +289,14 @@ class TextDataModule(LightningDataModule):
         drop_last: bool = True,
     ) -> None:
         super().__init__()
-        if not 0.0 <= float(val_fraction) < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
+        check_arguments(
+            block_size=(block_size, whole(block_size), "an int >= 1"),
+            batch_size=(batch_size, whole(batch_size), "an int >= 1"),
+            val_fraction=(val_fraction, finite_at_least(val_fraction, 0.0) and val_fraction < 1.0,
+                          "a fraction in [0, 1)"),
+            max_bytes=(max_bytes, max_bytes is None or whole(max_bytes), "an int >= 1 or null (no cap)"),
+            num_workers=(num_workers, whole(num_workers, 0), "an int >= 0"),
+        )
         self.path = None if path is None else str(path)
         self.block_size = int(block_size)
         self.batch_size = int(batch_size)
@@ -277,8 +328,8 @@ class TextDataModule(LightningDataModule):
     def _load_bin(self) -> None:
         p = Path(self.path)
         if not p.is_file():
-            raise FileNotFoundError(f"token file {self.path!r} does not exist; expected a "
-                                    f".bin file of uint16 token ids")
+            what = "is not a regular file" if p.exists() else "does not exist"
+            raise FileNotFoundError(f"token file {self.path!r} {what}; expected a .bin file of uint16 token ids")
         size = p.stat().st_size
         if size == 0 or size % 2:
             raise ValueError(f"token file {self.path!r} has {size} bytes; expected a non-empty "

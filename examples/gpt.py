@@ -15,6 +15,7 @@ Shapes used throughout:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 import cg_lightning
+from examples.data import check_arguments, finite_at_least, model_fit_problems, whole
 
 __all__ = ["Block", "GPT", "GPTLightningModule"]
 
@@ -146,6 +148,7 @@ class GPT(nn.Module):
         block_schedule: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
+        _check_sizes(vocab_size, block_size, n_layer, n_head, d_model, dropout)
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.n_layer = n_layer
@@ -230,6 +233,28 @@ class _LinearWarmup:
         return min(1.0, (step + 1) / self.steps)
 
 
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_sizes(vocab_size, block_size, n_layer, n_head, d_model, dropout) -> None:
+    """Refuse sizes a GPT cannot be built with, before any memory is taken (see :func:`check_arguments`);
+    a model whose float32 parameters alone exceed this machine's memory counts as one."""
+    sizes = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, d_model=d_model)
+    check_arguments(**{name: (value, whole(value), "an int >= 1") for name, value in sizes.items()},
+                    dropout=(dropout, finite_at_least(dropout, 0.0) and dropout < 1.0, "a probability in [0, 1)"))
+    check_arguments(n_head=(n_head, d_model % n_head == 0, f"a divisor of d_model ({d_model})"))
+    params = 2 * vocab_size * d_model + block_size * d_model + n_layer * (12 * d_model * d_model + 13 * d_model)
+    memory = _physical_memory()
+    if memory is not None and 4 * params > memory:
+        raise ValueError(f"d_model: the model's {params:.3g} parameters ({4 * params / 2**30:.3g} GiB in float32; "
+                         f"n_layer {n_layer}, d_model {d_model}, vocab_size {vocab_size}) exceed this machine's "
+                         f"{memory / 2**30:.3g} GiB of memory")
+
+
 class GPTLightningModule(LightningModule):
     """LightningModule training :class:`GPT` with next-token cross-entropy.
 
@@ -277,6 +302,13 @@ class GPTLightningModule(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_arguments(
+            lr=(lr, finite_at_least(lr, 0.0, strict=True), "a finite learning rate > 0"),
+            weight_decay=(weight_decay, finite_at_least(weight_decay, 0.0), "a finite number >= 0"),
+            betas=(betas, len(betas) == 2 and all(finite_at_least(b, 0.0) and b < 1.0 for b in betas),
+                   "two numbers in [0, 1)"),
+            warmup_lr_steps=(warmup_lr_steps, whole(warmup_lr_steps, 0), "an int >= 0"),
+        )
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
         self.betas = tuple(float(b) for b in betas)
@@ -303,26 +335,24 @@ class GPTLightningModule(LightningModule):
         return self.model(idx)
 
     def setup(self, stage: str) -> None:
-        """Refuse a data module whose windows are longer than the model's context, before the first batch.
+        """Refuse a data module that cannot feed this model, before the first batch: windows longer than its
+        context, token ids beyond its vocabulary (:func:`examples.data.model_fit_problems`).
 
         Raises:
-            cg_lightning.config.ConfigError (a ``ValueError``): the trainer's data module has a ``block_size``
-                above the model's; ``python -m cg_lightning`` reports it as an ``error:`` line, exit status 2.
+            cg_lightning.errors.ConfigError (a ``ValueError``): one line per problem, naming the keys
+                (``data.init_args.block_size``, ``data.init_args.path``); ``python -m cg_lightning`` reports them as
+                ``error:`` lines, exit status 2.
         """
         self.check_data(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
 
     def check_data(self, datamodule) -> None:
-        """The check of :meth:`setup`, for loops without a Trainer (``examples/train_accelerate.py``)."""
-        data_block = getattr(datamodule, "block_size", None)
-        if isinstance(data_block, int) and data_block > self.model.block_size:
-            from cg_lightning.config import ConfigError
+        """The check of :meth:`setup`, for loops without a Trainer (``examples/train_accelerate.py``; call it after
+        the data module's ``setup``, which finds the vocabulary of a ``.bin`` file)."""
+        problems = model_fit_problems(datamodule, self.model.vocab_size, self.model.block_size)
+        if problems:
+            from cg_lightning.errors import ConfigError
 
-            raise ConfigError(
-                f"data.init_args.block_size: {data_block} is longer than the model's context, "
-                f"model.init_args.block_size: {self.model.block_size}; the model cannot take windows that long. "
-                "Set the data's block_size to at most the model's (the shipped configs set it to "
-                "${model.init_args.block_size}), or raise the model's."
-            )
+            raise ConfigError("\n".join(problems))
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch

@@ -69,20 +69,18 @@ class LlamaLightningModule(LightningModule):
         self.lr, self.weight_decay, self.betas, self.fused = float(lr), float(weight_decay), tuple(betas), fused
 
     def setup(self, stage: str) -> None:
-        """Refuse a data module whose windows are longer than the model's context, before the first batch.
+        """Refuse a data module that cannot feed this model, before the first batch (as the GPT example does).
 
         Raises:
-            cg_lightning.config.ConfigError: the data's ``block_size`` is above the model's.
+            cg_lightning.errors.ConfigError: windows longer than the model's context, token ids beyond its vocabulary.
         """
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        data_block = getattr(datamodule, "block_size", None)
-        if isinstance(data_block, int) and data_block > self.block_size:
-            from cg_lightning.config import ConfigError
+        from cg_lightning.errors import ConfigError
+        from examples.data import model_fit_problems
 
-            raise ConfigError(
-                f"data.init_args.block_size: {data_block} is longer than the model's context, "
-                f"model.init_args.block_size: {self.block_size}. Set the data's block_size to at most the model's."
-            )
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        problems = model_fit_problems(datamodule, self.model.config.vocab_size, self.block_size)
+        if problems:
+            raise ConfigError("\n".join(problems))
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch

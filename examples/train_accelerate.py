@@ -1,13 +1,14 @@
 """Train the example GPT in a plain Hugging Face Accelerate loop, through cg-lightning or (``--eager``) not.
 
-The run is described by the same YAML as ``python -m cg_lightning fit`` (files merge in order,
-``dotted.key=value`` overrides last). Used from it: ``seed``, ``model`` (the LightningModule is used as a
-plain ``nn.Module``: its ``forward`` and ``configure_optimizers``; no Trainer), ``data`` (its
-``train_dataloader``), ``strategy.graphs`` and ``strategy.ddp``, and from ``trainer``: ``max_steps``,
-``accumulate_grad_batches``, ``gradient_clip_val`` / ``gradient_clip_algorithm``, ``precision`` and
-``accelerator`` (``cpu`` forces the CPU). Processes and machines come from the launcher, not from
-``trainer.devices`` / ``num_nodes``. Mixed precision: ``--mixed-precision``, else the launcher's
-(``accelerate launch`` always sets one, from its config file), else ``trainer.precision``.
+The run is described by the same YAML as ``python -m cg_lightning fit``, read by the same parser
+(:class:`cg_lightning.cli.CGLightningCLI`: several ``--config`` files, ``--key=value`` overrides, ``${...}``
+interpolation, the same error lines). Used from it: ``seed_everything``, ``model`` (the LightningModule is used as a
+plain ``nn.Module``: its ``forward`` and ``configure_optimizers``; no Trainer), ``data`` (its ``train_dataloader``),
+the options of ``trainer.strategy`` (``graphs``, ``ddp``; any other strategy runs the eager reference), and from
+``trainer``: ``max_steps``, ``accumulate_grad_batches``, ``gradient_clip_val`` / ``gradient_clip_algorithm``,
+``precision``, ``log_every_n_steps`` and ``accelerator`` (``cpu`` forces the CPU). Processes and machines come from
+the launcher, not from ``trainer.devices`` / ``num_nodes``. Mixed precision: ``--mixed-precision``, else the
+launcher's (``accelerate launch`` always sets one, from its config file), else ``trainer.precision``.
 
 The two modes differ in one line: ``CUDAGraphAccelerator(graphs=..., ddp=...)`` (per-layer graphs under
 the ``main_grad`` engine) or ``accelerate.Accelerator()`` (torch DDP, the eager reference). Both see the
@@ -44,20 +45,23 @@ if ROOT not in sys.path:
 
 import torch
 import torch.nn.functional as F
+
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from lightning.pytorch.strategies import StrategyRegistry
+
+import cg_lightning
 
 from cg_lightning.accelerate import CUDAGraphAccelerator
-from cg_lightning.config import ConfigError, build_datamodule, build_model, load_config
+from cg_lightning.cli import CGLightningCLI, ConfigError, report
 
 _PRECISIONS = {"32-true": "no", "32": "no", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", action="append", default=None,
-                    help="YAML config file; repeat to merge several (default: configs/gpt_tiny.yaml)")
-    ap.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. model.init_args.n_layer=2")
+def parse_args(argv=None):
+    """This script's own options, and the rest of the arguments for the configuration parser."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="Every other argument goes to the configuration: --config FILE (repeat to "
+                                        "merge several; default configs/gpt_tiny.yaml), --trainer.max_steps=60, ...")
     ap.add_argument("--eager", action="store_true", help="plain accelerate.Accelerator (torch DDP), the reference")
     ap.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: trainer.max_steps)")
     ap.add_argument("--gradient-accumulation-steps", type=int, default=None,
@@ -68,7 +72,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--log-every", type=int, default=None, help="print the loss every N steps "
                     "(default: trainer.log_every_n_steps)")
     ap.add_argument("--out", default=None, help="rank 0 saves losses, final weights and graph counters here")
-    return ap.parse_intermixed_args(argv)  # overrides may come before, between or after the flags
+    args, config_args = ap.parse_known_args(argv)
+    if not any(a in ("-c", "--config") or a.startswith("--config=") for a in config_args):
+        config_args = ["--config", os.path.join(ROOT, "configs", "gpt_tiny.yaml"), *config_args]
+    return args, config_args
+
+
+class ConfigOnly(CGLightningCLI):
+    """The command line's parser and checks, building the model, the data and the strategy but no Trainer."""
+
+    def __init__(self, args):
+        super().__init__(args=args, run=False, save_config_callback=None)
+
+    def instantiate_trainer(self, **kwargs):
+        return None
 
 
 def _mixed_precision(args, cfg) -> str:
@@ -76,10 +93,11 @@ def _mixed_precision(args, cfg) -> str:
         return args.mixed_precision
     if os.environ.get("ACCELERATE_MIXED_PRECISION"):
         return os.environ["ACCELERATE_MIXED_PRECISION"]
-    if cfg.trainer.precision not in _PRECISIONS:
-        raise SystemExit(f"trainer.precision={cfg.trainer.precision!r} has no Accelerate equivalent; "
+    precision = str(cfg.precision or "32-true")
+    if precision not in _PRECISIONS:
+        raise SystemExit(f"trainer.precision={precision!r} has no Accelerate equivalent; "
                          f"use one of {sorted(_PRECISIONS)} or --mixed-precision")
-    return _PRECISIONS[cfg.trainer.precision]
+    return _PRECISIONS[precision]
 
 
 def _optimizer_and_scheduler(module):
@@ -97,46 +115,40 @@ def _optimizer_and_scheduler(module):
     raise SystemExit(f"configure_optimizers returned {type(out).__name__}; expected an optimizer or a dict")
 
 
-def _config_error(error: ConfigError) -> SystemExit:
-    """One ``error:`` line per problem on stderr and exit status 2, as ``python -m cg_lightning`` reports them."""
-    for line in str(error).splitlines() or [""]:
-        print(f"error: {line}", file=sys.stderr)
-    return SystemExit(2)
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args, config_args = parse_args(argv)
     try:
-        cfg = load_config(args.config or [os.path.join(ROOT, "configs", "gpt_tiny.yaml")], args.overrides)
+        cli = ConfigOnly(config_args)  # seeds, then builds the model, the data and the strategy
     except ConfigError as error:
-        raise _config_error(error) from None
-    max_steps = args.max_steps if args.max_steps is not None else cfg.trainer.max_steps
+        raise SystemExit(report(error)) from None
+    cfg, module, data = cli.config.trainer, cli.model, cli.datamodule
+    strategy = cli.config_init.trainer.strategy  # built from class_path; a name is looked up as the Trainer would
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        strategy = StrategyRegistry.get(strategy)
+    max_steps = args.max_steps if args.max_steps is not None else cfg.max_steps
     if max_steps <= 0:
         raise SystemExit("set --max-steps or trainer.max_steps to a positive number of optimizer steps")
-    accumulation = args.gradient_accumulation_steps or cfg.trainer.accumulate_grad_batches
-    clip = cfg.trainer.gradient_clip_val
-    log_every = args.log_every or cfg.trainer.log_every_n_steps
-    eager = args.eager or cfg.strategy.name != "cudagraph_ddp"
+    accumulation = args.gradient_accumulation_steps or cfg.accumulate_grad_batches
+    clip = cfg.gradient_clip_val
+    log_every = args.log_every or cfg.log_every_n_steps or 10
+    eager = args.eager or not isinstance(strategy, cg_lightning.CUDAGraphDDPStrategy)
 
     common = dict(
-        cpu=args.cpu or cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available(),
+        cpu=args.cpu or cfg.accelerator == "cpu" or not torch.cuda.is_available(),
         mixed_precision=_mixed_precision(args, cfg),
         gradient_accumulation_steps=accumulation,
     )
     if eager:
         accelerator = Accelerator(**common)
     else:
-        accelerator = CUDAGraphAccelerator(graphs=cfg.strategy.graphs, ddp=cfg.strategy.ddp, **common)
+        accelerator = CUDAGraphAccelerator(graphs=strategy.graph_options, ddp=strategy.ddp_options, **common)
 
-    set_seed(cfg.seed)
     try:
-        module = build_model(cfg)
-        data = build_datamodule(cfg)
+        data.setup("fit")
         if hasattr(module, "check_data"):
             module.check_data(data)
-    except ConfigError as error:
-        raise _config_error(error) from None
-    data.setup("fit")
+    except (ConfigError, OSError, ValueError) as error:
+        raise SystemExit(report(cli.refusal(error))) from None
     loader = data.train_dataloader()
     optimizer, scheduler = _optimizer_and_scheduler(module)
     if scheduler is None:
@@ -160,7 +172,7 @@ def main(argv=None) -> None:
                 loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and clip is not None:
-                    if cfg.trainer.gradient_clip_algorithm == "value":
+                    if cfg.gradient_clip_algorithm == "value":
                         accelerator.clip_grad_value_(model.parameters(), clip)
                     else:
                         grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), clip)))

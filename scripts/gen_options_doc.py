@@ -27,8 +27,8 @@ DOC_PATH = os.path.join(ROOT, "docs", "options.md")
 
 # (class, Python keyword of the strategy / accelerator, YAML section)
 SECTIONS = (
-    (GraphOptions, "graphs", "strategy.graphs"),
-    (DDPOptions, "ddp", "strategy.ddp"),
+    (GraphOptions, "graphs", "trainer.strategy.init_args.graphs"),
+    (DDPOptions, "ddp", "trainer.strategy.init_args.ddp"),
 )
 
 HEADER = """\
@@ -46,16 +46,20 @@ CUDAGraphAccelerator(graphs=GraphOptions(segments=False), ddp=DDPOptions(average
 ```
 
 ```yaml
-strategy:
-  name: cudagraph_ddp
-  graphs: {warmup_steps: 2, shape_policy: recapture}
-  ddp: {bucket_size_mb: 50}
+trainer:
+  strategy:
+    class_path: cg_lightning.CUDAGraphDDPStrategy
+    init_args:
+      graphs: {warmup_steps: 2, shape_policy: recapture}
+      ddp: {bucket_size_mb: 50}
 ```
 
-On the command line: `python -m cg_lightning fit --config configs/gpt_tiny.yaml strategy.graphs.segments=false`.
+On the command line: `python -m cg_lightning fit --config configs/gpt_tiny.yaml
+--trainer.strategy.init_args.graphs.segments=false` ([cli.md](cli.md)).
 An unknown key is refused with the closest valid name. A value of the wrong type raises `TypeError`, one out of
 range or not among the choices `ValueError`; in Python and in YAML the message names the option, the value given
-and what is accepted (`graphs.warmup_steps: expected int, got 'two'`). Defaults are shown as Python values (YAML
+and what is accepted (`graphs.warmup_steps: expected int, got 'two'`). A number with a bound must be finite;
+`ddp.bucket_size_mb` is at most 1048576 (1 TiB), `ddp.timeout_s` at most 10^7. Defaults are shown as Python values (YAML
 writes `true`, `false`, `null`). What each option changes in a training step: [design.md](design.md); when to
 change one: [limitations.md](limitations.md).
 """

@@ -6,7 +6,8 @@
 #   against the eager Accelerate run (fp32 and bf16, 2 micro-batches per step);  all: tests, bench, main.
 # Results in OUTDIR: cuda_tests_all_<gpu>_<date>.log, step_time_<sizes>_<gpu>_<date>.{md,json,png},
 # main_job_small_<gpu>_<date>.csv, accelerate_parity_small_<gpu>_<date>.md (the rule of benchmarks/README.md).
-# Wheels for packages the GPU image lacks (omegaconf) may lie in .whl/ and are installed to /tmp/site.
+# Wheels for packages the GPU image lacks (omegaconf, jsonargparse and its signatures extra: docstring-parser,
+# typeshed-client) may lie in .whl/ and are installed to /tmp/site.
 set -uo pipefail
 out=${1:-/tmp/gpu_checks}; what=${2:-all}; small_steps=${3:-200}
 case "$what" in tests|bench|main|accelerate|all) ;; *)
@@ -36,11 +37,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.step_time --sizes ${BENCH_SIZES:-tiny small compute} --out "$out" 2>&1 | tee "$out/bench.log" | tail -40 || status=1
 fi
 if [ "$what" = main ] || [ "$what" = all ]; then
-  python3 -m cg_lightning fit --config configs/gpt_small.yaml trainer.max_steps="$small_steps" \
-    trainer.default_root_dir="$out/runs" trainer.enable_progress_bar=false 2>&1 | tee "$out/main_small.log" | tail -5 || status=1
+  python3 -m cg_lightning fit --config configs/gpt_small.yaml --trainer.max_steps="$small_steps" \
+    --trainer.default_root_dir="$out/runs" --trainer.enable_progress_bar=false 2>&1 | tee "$out/main_small.log" | tail -5 || status=1
   metrics=$(ls "$out"/runs/*/version_*/metrics.csv "$out"/runs/version_*/metrics.csv 2>/dev/null | head -1)
   [ -n "$metrics" ] && { echo "# $stamp; command: python3 -m cg_lightning fit --config configs/gpt_small.yaml" \
-    "trainer.max_steps=$small_steps; read with pandas.read_csv(path, comment='#')"; cat "$metrics"; } \
+    "--trainer.max_steps=$small_steps; read with pandas.read_csv(path, comment='#')"; cat "$metrics"; } \
     > "$out/$(name main_job small csv)" && python3 - "$metrics" <<'PY'
 import csv, sys
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r.get("train_loss")]

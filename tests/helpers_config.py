@@ -48,6 +48,8 @@ class TinyData(LightningDataModule):
     def val_dataloader(self):
         return DataLoader(self.dataset, batch_size=self.batch_size)
 
+    test_dataloader = predict_dataloader = val_dataloader
+
 
 class RecordingCallback(Callback):
     """Counts training batches; ``tag`` identifies the instance."""
@@ -90,3 +92,14 @@ class ChoiceCallback(Callback):
     def __init__(self, mode: Literal["min", "max"] = "min", patience: Optional[int] = None) -> None:
         self.mode = mode
         self.patience = patience
+
+
+class EvalRegressor(TinyRegressor):
+    """``TinyRegressor`` that also tests (``test_loss``) and predicts (the outputs of ``net``)."""
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])

@@ -1,6 +1,8 @@
 """One check of option values for the Python API and YAML (:mod:`cg_lightning.option_checks`): every field of
 ``GraphOptions`` and ``DDPOptions`` given a value of the wrong type, or out of range, is refused on both paths with
-the same words: the option's key, the value given and what is accepted (CPU, fast)."""
+the same words: the option's key, the value given and what is accepted (CPU, fast). The YAML path is the command
+line's (``trainer.strategy.init_args.graphs.*``); one configuration carries every bad field of a section, since every
+problem is reported at once."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any, List, Optional
 import pytest
 
 import cg_lightning
-from cg_lightning.config import ConfigError, load_config
+from cg_lightning.cli import CGLightningCLI, main
 from cg_lightning.ddp.options import DDPOptions
 from cg_lightning.option_checks import expected_type, field_types, type_name
 from cg_lightning.graphs.options import GraphOptions
@@ -47,12 +49,24 @@ def _constrained():
     return out
 
 
-def _yaml_error(tmp_path, section: str, name: str, value: Any) -> str:
+STRATEGY_KEY = "trainer.strategy.init_args"
+
+
+def _yaml(tmp_path, section: str, values: dict) -> str:
+    """A run configuration whose strategy section ``section`` holds ``values``; returns its path."""
+    from tests.test_cli import BASE_YAML
+
     path = tmp_path / "options.yaml"
-    path.write_text(json.dumps({"strategy": {section: {name: value}}}))  # JSON is YAML
-    with pytest.raises(ConfigError) as info:
-        load_config([str(path)])
-    return str(info.value)
+    strategy = {"class_path": "cg_lightning.CUDAGraphDDPStrategy", "init_args": {section: values}}
+    path.write_text(BASE_YAML.replace("  strategy: auto\n", "  strategy: " + json.dumps(strategy) + "\n"))
+    return str(path)  # JSON is YAML
+
+
+def _yaml_errors(tmp_path, capsys, section: str, values: dict) -> List[str]:
+    """The ``error:`` lines of ``fit`` with ``values`` in strategy section ``section``, without the prefix."""
+    capsys.readouterr()
+    assert main(["fit", "--config", _yaml(tmp_path, section, values)]) == 2
+    return [line[len("error: "):] for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
 
 
 def _python_error(entry: str, cls, section: str, options: dict, kind=Exception) -> str:
@@ -80,24 +94,39 @@ def test_every_annotation_has_a_wrong_value():
 
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("cls, section, f", _fields())
-def test_wrong_type_names_option_value_and_type_in_python_and_yaml(cls, section, f, entry, tmp_path):
+def test_wrong_type_names_option_value_and_type_in_python(cls, section, f, entry):
     tp = field_types(cls)[f.name]
     bad = WRONG[tp]
-    expected = f"{section}.{f.name}: expected {type_name(tp)}, got {bad!r}"
     python = _python_error(entry, cls, section, {f.name: bad}, TypeError)
-    assert python.startswith(expected), python
-    yaml = _yaml_error(tmp_path, section, f.name, bad)
-    assert yaml.startswith(f"{tmp_path / 'options.yaml'}: strategy.{expected}"), yaml
+    assert python.startswith(f"{section}.{f.name}: expected {type_name(tp)}, got {bad!r}"), python
+
+
+@pytest.mark.parametrize("cls, section", SECTIONS, ids=[s for _, s in SECTIONS])
+def test_wrong_types_in_yaml_read_as_in_python(cls, section, tmp_path, capsys):
+    bad = {f.name: WRONG[field_types(cls)[f.name]] for f in dataclasses.fields(cls)}
+    lines = _yaml_errors(tmp_path, capsys, section, bad)
+    path = tmp_path / "options.yaml"
+    for name, value in bad.items():
+        python = _python_error("dataclass", cls, section, {name: value}, TypeError)
+        assert f"{path}: {STRATEGY_KEY}.{python}" in lines, (python, lines)
+    assert len(lines) == len(bad), lines
 
 
 @pytest.mark.parametrize("cls, section, name, bad", _constrained())
-def test_value_out_of_range_names_option_value_and_choices_in_python_and_yaml(cls, section, name, bad, tmp_path):
+def test_value_out_of_range_names_option_value_and_choices_in_python(cls, section, name, bad):
     python = _python_error("as_options", cls, section, {name: bad}, ValueError)
     assert python.startswith(f"{section}.{name}: expected ") and python.endswith(f", got {bad!r}"), python
     accepted = python.split(": expected ", 1)[1]
     assert accepted.startswith(("one of (", "int >= ", "float > ")), python
-    yaml = _yaml_error(tmp_path, section, name, bad)
-    assert yaml == f"{tmp_path / 'options.yaml'}: strategy.{python}", yaml
+
+
+@pytest.mark.parametrize("cls, section", SECTIONS, ids=[s for _, s in SECTIONS])
+def test_values_out_of_range_in_yaml_read_as_in_python(cls, section, tmp_path, capsys):
+    bad = {p.values[2]: p.values[3] for p in _constrained() if p.values[1] == section}
+    lines = _yaml_errors(tmp_path, capsys, section, bad)
+    for name, value in bad.items():
+        python = _python_error("as_options", cls, section, {name: value}, ValueError)
+        assert f"{tmp_path / 'options.yaml'}: {STRATEGY_KEY}.{python}" in lines, (python, lines)
 
 
 VALID = {
@@ -123,25 +152,34 @@ def test_valid_values_cover_every_field():
     pytest.param(cls, section, name, value, id=f"{section}.{name}={value!r}")
     for cls, section in SECTIONS for name, values in VALID[section].items() for value in values
 ])
-def test_valid_values_pass_both_paths(cls, section, name, value, tmp_path):
-    options = as_options(cls, {name: value}, section)
-    got = getattr(options, name)
+def test_valid_values_pass_in_python(cls, section, name, value):
+    got = getattr(as_options(cls, {name: value}, section), name)
     assert got == (list(value) if isinstance(value, tuple) else value)
-    path = tmp_path / "ok.yaml"
-    path.write_text(json.dumps({"strategy": {section: {name: value}}}))
-    assert getattr(getattr(load_config([str(path)]).strategy, section), name) == got
 
 
-def test_unknown_keys_suggest_the_closest_field_on_both_paths(tmp_path):
+@pytest.mark.parametrize("cls, section", SECTIONS, ids=[s for _, s in SECTIONS])
+def test_valid_values_reach_the_strategy_from_yaml(cls, section, tmp_path):
+    """Every valid value of every field, a few configurations per section (the i-th value of each field)."""
+    rounds = max(len(values) for values in VALID[section].values())
+    for i in range(rounds):
+        values = {name: list(vs[i % len(vs)]) if isinstance(vs[i % len(vs)], tuple) else vs[i % len(vs)]
+                  for name, vs in VALID[section].items()}
+        built = CGLightningCLI(args=["--config", _yaml(tmp_path, section, values)], run=False)
+        options = getattr(built.trainer.strategy, f"{section}_options" if section == "ddp" else "graph_options")
+        assert {name: getattr(options, name) for name in values} == values
+
+
+def test_unknown_keys_suggest_the_closest_field_on_both_paths(tmp_path, capsys):
     valid = ", ".join(f.name for f in dataclasses.fields(GraphOptions))
     python = _python_error("strategy", GraphOptions, "graphs", {"warmup_step": 1, "segment": False}, TypeError)
     assert python.splitlines() == [
         f"graphs.warmup_step: unknown key (did you mean 'warmup_steps'?); valid keys under 'graphs': {valid}",
         f"graphs.segment: unknown key (did you mean 'segments'?); valid keys under 'graphs': {valid}",
     ]
-    yaml = _yaml_error(tmp_path, "graphs", "warmup_step", 1)
-    assert yaml == (f"{tmp_path / 'options.yaml'}: strategy.graphs.warmup_step: unknown key (did you mean "
-                    f"'warmup_steps'?); valid keys under 'strategy.graphs': {valid}")
+    lines = _yaml_errors(tmp_path, capsys, "graphs", {"warmup_step": 1})
+    assert lines == [f"{tmp_path / 'options.yaml'}: {STRATEGY_KEY}.graphs.warmup_step: unknown key (did you mean "
+                     f"'warmup_steps'?); valid keys under '{STRATEGY_KEY}.graphs' (GraphOptions): "
+                     f"{', '.join(sorted(valid.split(', ')))}"]
 
 
 def test_every_problem_is_reported_at_once():
@@ -182,3 +220,24 @@ def test_callback_arguments_are_checked_as_graph_options():
 ])
 def test_expected_type(tp, value, expected):
     assert expected_type(tp, value) == expected
+
+
+@pytest.mark.parametrize("name", ["bucket_size_mb", "timeout_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e15, -1.0])
+def test_non_finite_and_out_of_range_numbers_refused(name, value):
+    with pytest.raises(ValueError, match=rf"^ddp\.{name}: expected (finite )?float > 0 and <= \d+, got "):
+        DDPOptions(**{name: value})
+
+
+def test_non_finite_numbers_refused_in_yaml(tmp_path, capsys):
+    from tests.test_cli import BASE_YAML
+
+    path = tmp_path / "options.yaml"
+    path.write_text(BASE_YAML.replace("  strategy: auto\n", "  strategy:\n    class_path: cg_lightning.CUDAGraphDDPStrategy"
+                                      "\n    init_args:\n      ddp: {bucket_size_mb: 1.0e+15, timeout_s: .nan}\n"))
+    capsys.readouterr()
+    assert main(["fit", "--config", str(path)]) == 2
+    lines = [line[len("error: "):] for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert lines == [
+        f"{path}: {STRATEGY_KEY}.ddp.bucket_size_mb: expected float > 0 and <= 1048576, got 1000000000000000.0",
+        f"{path}: {STRATEGY_KEY}.ddp.timeout_s: expected finite float > 0 and <= 10000000, got nan"]

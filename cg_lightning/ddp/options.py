@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..option_checks import above, check_options, one_of
+from ..option_checks import above, at_most, check_options, one_of
 
 GRAD_DTYPES = (None, "float32", "bfloat16", "float16")
 
@@ -18,12 +18,12 @@ class DDPOptions:
 
     Raises:
         TypeError: a value of the wrong type.
-        ValueError: a non-positive bucket size or timeout, an unknown grad dtype, ``distributed_optimizer`` with
-            ``find_unused_parameters``. Both name the option
+        ValueError: a bucket size or timeout that is not positive and finite (or above 1 TiB / 10^7 s), an unknown
+            grad dtype, ``distributed_optimizer`` with ``find_unused_parameters``. Both name the option
             (``ddp.bucket_size_mb``), the value given and what is accepted.
     """
 
-    bucket_size_mb: float = field(default=25.0, metadata=above(0))
+    bucket_size_mb: float = field(default=25.0, metadata={**above(0), **at_most(2**20)})
     """Bucket capacity in MiB of gradient memory; a parameter never spans two buckets."""
 
     average: bool = True
@@ -32,7 +32,7 @@ class DDPOptions:
     grad_dtype: Optional[str] = field(default=None, metadata=one_of(GRAD_DTYPES))
     """dtype of ``main_grad``: ``"float32"``, ``"bfloat16"``, ``"float16"``; ``None`` keeps each parameter's."""
 
-    timeout_s: float = field(default=300.0, metadata=above(0))
+    timeout_s: float = field(default=300.0, metadata={**above(0), **at_most(10**7)})
     """Seconds any collective waits for the other ranks from the first training step on, before ``PeerLostError``."""
 
     check_grad_ready: bool = True
