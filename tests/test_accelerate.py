@@ -163,8 +163,8 @@ def test_single_process_distributed_optimizer_parity(tmp_path, fresh_accelerate_
     steps = []
     step = ShardedOptimizer.step
     monkeypatch.setattr(ShardedOptimizer, "step", lambda self, closure=None: steps.append(1) or step(self, closure))
-    args = ["--max-steps", "5", "--gradient-accumulation-steps", "2", "trainer.gradient_clip_val=0.05"]
-    cg = _run_script_in_process(tmp_path, "cg", *args, "strategy.ddp.distributed_optimizer=true")
+    args = ["--max-steps", "5", "--gradient-accumulation-steps", "2", "--trainer.gradient_clip_val=0.05"]
+    cg = _run_script_in_process(tmp_path, "cg", *args, "--trainer.strategy.init_args.ddp.distributed_optimizer=true")
     eager = _run_script_in_process(tmp_path, "eager", *args, "--eager")
     assert len(steps) == 5
     assert max_rel_diff(cg["losses"], eager["losses"]) < 1e-5

@@ -82,7 +82,11 @@ class PeerWatch:
         return self
 
     def stop(self) -> None:
+        """Stop beating and wait (a few intervals at most) for the thread to leave the store: a thread still inside
+        a store call while the process exits aborts it (``terminate called without an active exception``)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=4 * self.interval_s + 1.0)
 
     def _beat(self) -> None:
         n = 0
