@@ -225,3 +225,17 @@ def test_help_exits_0(capsys):
 
 def test_trainer_is_the_lightning_trainer(base):
     assert type(cli("--config", base).trainer) is Trainer
+
+
+def test_ints_written_for_int_or_float_trainer_arguments_stay_ints():
+    """jsonargparse may hand ``limit_val_batches: 20`` back as ``20.0`` (a union of int and float cached in the
+    float-first order, as under torch 2.11): the ints the configuration wrote are given back; floats stay."""
+    from jsonargparse import Namespace
+
+    from cg_lightning.cli.values import restore_written_ints
+
+    trainer = Namespace(limit_val_batches=20.0, limit_train_batches=0.5, overfit_batches=1.0, max_steps=3)
+    restore_written_ints(trainer, {"limit_val_batches": 20, "limit_train_batches": 0.5, "overfit_batches": 1.0,
+                                   "max_steps": 3})
+    assert trainer.limit_val_batches == 20 and isinstance(trainer.limit_val_batches, int)
+    assert isinstance(trainer.limit_train_batches, float) and isinstance(trainer.overfit_batches, float)

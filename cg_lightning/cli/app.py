@@ -34,7 +34,7 @@ from .diagnosis import parse_problems
 from .messages import Reporter
 from .refusals import checkpoint_problems, instantiation_problems, run_time_problems, trainer_problem
 from .schema import canonical, parser_schema
-from .values import check_values
+from .values import check_values, restore_written_ints
 from .sources import COMMAND_LINE, Provenance, leaf_key, merge, read_sources, relative_interpolations
 
 __all__ = ["CGLightningCLI", "main", "report"]
@@ -151,7 +151,9 @@ class CGLightningCLI(LightningCLI):
             raise
         except Exception as exc:  # noqa: BLE001 - jsonargparse's ArgumentError, OmegaConf's interpolation errors
             self._reporter.raise_if(parse_problems(sub_parser, invocation, exc, subcommand), exc)
-        self._reporter.raise_if(check_values(self.config.get(subcommand, self.config) if subcommand else self.config))
+        section = self.config.get(subcommand, self.config) if subcommand else self.config
+        restore_written_ints(section.get("trainer"), merged.get("trainer"))
+        self._reporter.raise_if(check_values(section))
 
     def _parse_ckpt_path(self) -> None:
         """Refuses a ``ckpt_path`` that is no file or not a Lightning checkpoint, then reads its hyperparameters as

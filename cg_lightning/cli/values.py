@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import typing
 from typing import Any, Callable, Dict, List, Optional
 
 from .keys import Problem
@@ -99,6 +100,34 @@ def _get(section: Any, key: str) -> Any:
         return section[key]
     except (KeyError, TypeError):
         return None
+
+
+def _int_or_float(annotation: Any) -> bool:
+    args = set(typing.get_args(annotation))
+    return int in args and float in args
+
+
+def restore_written_ints(trainer: Any, written: Any) -> None:
+    """Give back the ints the configuration wrote for the Trainer's int-or-float arguments (``limit_val_batches:
+    20`` means 20 batches, ``1.0`` the whole epoch) where the parser made floats of them.
+
+    jsonargparse tries a union's types in order, and ``typing`` caches unions regardless of their order: once any
+    module has built ``Optional[Union[float, int]]``, Lightning's ``Optional[Union[int, float]]`` annotation is
+    that object (which one depends on what the process imported and on the cache's eviction: with torch 2.11 it is
+    the float-first one, with 2.13 not), and ``20`` parses as
+    ``20.0``, which Lightning refuses as a fraction above 1. (``--print_config`` prints before this runs.)
+    """
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    if trainer is None or not isinstance(written, dict):
+        return
+    for name, parameter in inspect.signature(Trainer.__init__).parameters.items():
+        value, parsed = written.get(name), _get(trainer, name)
+        if (_int_or_float(parameter.annotation) and isinstance(value, int) and not isinstance(value, bool)
+                and isinstance(parsed, float) and parsed == value):
+            trainer[name] = value
 
 
 def check_values(section: Any) -> List[Problem]:
