@@ -239,3 +239,18 @@ def test_ints_written_for_int_or_float_trainer_arguments_stay_ints():
                                    "max_steps": 3})
     assert trainer.limit_val_batches == 20 and isinstance(trainer.limit_val_batches, int)
     assert isinstance(trainer.limit_train_batches, float) and isinstance(trainer.overfit_batches, float)
+
+
+def test_unions_of_int_and_float_try_int_first():
+    """The parser's int-or-float arguments try int first, whatever order ``typing``'s cache gave their union (under
+    torch 2.11 Lightning's ``limit_val_batches`` annotation is float-first): ``--print_config`` prints 20, not 20.0."""
+    import typing
+    from types import SimpleNamespace
+
+    from cg_lightning.cli.values import int_before_float
+
+    action = SimpleNamespace(_typehint=float | int | None)
+    untouched = SimpleNamespace(_typehint=typing.Optional[str])
+    int_before_float(SimpleNamespace(_actions=[action, untouched, SimpleNamespace()]))
+    assert typing.get_args(action._typehint) == (int, float, type(None))
+    assert untouched._typehint == typing.Optional[str]

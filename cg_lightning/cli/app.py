@@ -34,7 +34,7 @@ from .diagnosis import parse_problems
 from .messages import Reporter
 from .refusals import checkpoint_problems, instantiation_problems, run_time_problems, trainer_problem
 from .schema import canonical, parser_schema
-from .values import check_values, restore_written_ints
+from .values import check_values, int_before_float, restore_written_ints
 from .sources import COMMAND_LINE, Provenance, leaf_key, merge, read_sources, relative_interpolations
 
 __all__ = ["CGLightningCLI", "main", "report"]
@@ -105,6 +105,7 @@ class CGLightningCLI(LightningCLI):
                 self._subcommand_parsers, self._subcommand_method_arguments = subcommand_parsers, method_arguments
             return
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        int_before_float(self.parser)
         if self._reuse_parsers:
             _PARSERS[key] = (self.parser, getattr(self, "_subcommand_parsers", None),
                              getattr(self, "_subcommand_method_arguments", None))

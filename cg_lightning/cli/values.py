@@ -115,7 +115,8 @@ def restore_written_ints(trainer: Any, written: Any) -> None:
     module has built ``Optional[Union[float, int]]``, Lightning's ``Optional[Union[int, float]]`` annotation is
     that object (which one depends on what the process imported and on the cache's eviction: with torch 2.11 it is
     the float-first one, with 2.13 not), and ``20`` parses as
-    ``20.0``, which Lightning refuses as a fraction above 1. (``--print_config`` prints before this runs.)
+    ``20.0``, which Lightning refuses as a fraction above 1. :func:`int_before_float` orders the parser's unions;
+    this covers a parser built elsewhere.
     """
     import inspect
 
@@ -128,6 +129,24 @@ def restore_written_ints(trainer: Any, written: Any) -> None:
         if (_int_or_float(parameter.annotation) and isinstance(value, int) and not isinstance(value, bool)
                 and isinstance(parsed, float) and parsed == value):
             trainer[name] = value
+
+
+def int_before_float(parser: Any) -> None:
+    """Make every argument of ``parser`` (and of its subcommands' parsers) whose type is a union of int and float try
+    int first, so that ``20`` stays 20 batches in the parsed configuration and in ``--print_config`` whatever order
+    ``typing``'s cache gave the union (:func:`restore_written_ints`). Reads argparse's ``_actions`` and jsonargparse's
+    ``ActionTypeHint._typehint``; an action without them is left as it is."""
+    import functools
+    import operator
+
+    for action in getattr(parser, "_actions", ()):
+        for sub in (getattr(action, "choices", None) or {}).values() if hasattr(action, "_name_parser_map") else ():
+            int_before_float(sub)
+        hint = getattr(action, "_typehint", None)
+        args = typing.get_args(hint)
+        if int in args and float in args and args.index(float) < args.index(int):
+            ordered = [int, float] + [a for a in args if a not in (int, float)]
+            action._typehint = functools.reduce(operator.or_, ordered)  # PEP 604 unions are not cached by typing
 
 
 def check_values(section: Any) -> List[Problem]:
