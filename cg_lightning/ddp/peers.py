@@ -18,6 +18,7 @@ Imports only torch.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -86,12 +87,14 @@ class PeerWatch:
         a store call while the process exits aborts it (``terminate called without an active exception``)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=4 * self.interval_s + 1.0)
+            self._thread.join(timeout=30.0)  # a store call returns within its own timeout, or fails at once
 
     def _beat(self) -> None:
         n = 0
         while not self._stop.wait(self.interval_s):
             n += 1
+            if self._stop.is_set():
+                return
             try:
                 self._store.set(f"{_PREFIX}{self.rank}", str(n))
             except Exception:  # the store's host is gone: nothing left to tell
@@ -118,11 +121,16 @@ class PeerWatch:
 
 
 _watch: Optional[PeerWatch] = None
+_exit_hook = False
 
 
 def start_watch(rank: int, world_size: int, timeout_s: float) -> PeerWatch:
-    """Start this process's :class:`PeerWatch` (beating every ``min(1, timeout_s / 4)`` s), replacing any."""
-    global _watch
+    """Start this process's :class:`PeerWatch` (beating every ``min(1, timeout_s / 4)`` s), replacing any. It is
+    stopped at the latest when the interpreter exits (``atexit``), before daemon threads are torn down."""
+    global _watch, _exit_hook
+    if not _exit_hook:
+        atexit.register(stop_watch)
+        _exit_hook = True
     stop_watch()
     _watch = PeerWatch(rank, world_size, min(1.0, timeout_s / 4)).start()
     return _watch
