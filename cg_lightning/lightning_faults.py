@@ -143,8 +143,9 @@ class FaultsMixin:
         super().setup(trainer)
         if trainer.state.fn != self._lightning_ns.fitting:
             return
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            peers.start_watch(dist.get_rank(), dist.get_world_size(), self.ddp_options.timeout_s)
+        # No heartbeat thread (peers.PeerWatch): its store writes from a second thread aborted the process at exit
+        # ("terminate called without an active exception") whenever PYTORCH_NVML_BASED_CUDA_CHECK=1, which Lightning
+        # sets. Without it the rank at fault is named for two ranks; with more, the message says "another rank".
         self._preemption = LightningPreemption(self.ddp_options.timeout_s, self._announce)
         self._preemption.attach(trainer)
 
