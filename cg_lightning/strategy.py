@@ -53,6 +53,7 @@ from .distributed_optimizer import DistributedOptimizerMixin
 from .graphs import GraphManager, GraphOptions, GraphStats
 from .lifecycle import TrainingDriver, apply_graphs, build_driver
 from .lightning_faults import FaultsMixin
+from .lightning_whole_step import LightningWholeStep
 from .options import as_options
 from .setup_checks import check_setup, check_train_data
 from .torch_ddp_options import split_torch_ddp_kwargs
@@ -111,6 +112,8 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         self.last_graph_stats: Optional[GraphStats] = None
         self.last_cached_optimizer_steps = 0
         self.last_optimizer_replays = 0
+        self.whole_step: Optional[LightningWholeStep] = None
+        self.last_step_graph_stats = None
 
     @property
     def engine(self) -> Optional[DataParallelEngine]:
@@ -176,6 +179,8 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         self.driver = build_driver(self.model, self.graph_options, self.ddp_options, self.root_device,
                                    engine_type=DataParallelEngine)
         self.model = self.driver.engine
+        if self.driver.step_backend is not None:  # graphs.whole_step
+            self.whole_step = LightningWholeStep(self, super().training_step, self._announce)
 
     # ----------------------------------------------------------------- training step
     @override
@@ -189,6 +194,10 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         driver = self.driver
         if driver is None:
             return super().training_step(*args, **kwargs)
+        if self.whole_step is not None:  # graphs.whole_step: replayed, or captured now, where due
+            replayed, out = self.whole_step.training_step(args, kwargs)
+            if replayed:
+                return out
         trainer = self.lightning_module.trainer
         passes = (contextlib.nullcontext() if self.lightning_module.automatic_optimization
                   else driver.passes_open_micro_batches(lambda: trainer.global_step))
@@ -229,6 +238,8 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         ``main_grad``) before ``on_after_backward``, where torch DDP has its all-reduce done."""
         if self.driver is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.whole_step is not None and self.whole_step.take_backward():
+            return self._backward_replayed(closure_loss)
         with self._driver_around_autograd(self.driver) as ran:
             closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         if not ran:
@@ -236,6 +247,17 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
                 "cg_lightning: Lightning's Strategy.backward did not call precision_plugin.backward, where "
                 "CUDAGraphDDPStrategy finishes the gradient sync; this Lightning version is not supported."
             )
+        return closure_loss
+
+    def _backward_replayed(self, closure_loss: torch.Tensor) -> torch.Tensor:
+        """Lightning's backward for a step whose graph ran it already: its hooks around no autograd, the
+        gradients exposed again (the closure's ``zero_grad`` dropped them), the step counted."""
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.driver.replayed_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
         return closure_loss
 
     @contextmanager
@@ -317,6 +339,10 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         self.last_cached_optimizer_steps = self.cached_optimizer_steps
         if isinstance(self.model, DataParallelEngine):
             self.model = self.lightning_module
+        if self.whole_step is not None:
+            self.last_step_graph_stats = self.whole_step.stats
+            self.whole_step.close()
+            self.whole_step = None
         driver, self.driver = self.driver, None
         if driver is not None:
             driver.close()

@@ -173,3 +173,129 @@ def test_cuda_compiled_layers_equal_the_same_compiled_layers_under_ddp(determini
         if spread == 0.0:
             for (key, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
                 assert torch.equal(a, b), (what, key)
+
+
+def _fit_parity(strategy, precision):
+    from tests.lightning_models import ParityModel
+
+    seed_everything(0, workers=True)
+    module = ParityModel(body="modulelist", optimizer="adam", scheduler="step")
+    rec = GradRecorder()
+    trainer = make_trainer(strategy, STEPS, [rec], accelerator="gpu", precision=precision)
+    trainer.fit(module)
+    return module, rec, trainer
+
+
+class HostReadModule(LightningModule):
+    """A Lightning-style model whose ``training_step`` reads the loss on the host (``.item()``) every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.seen.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _fit_host_read(strategy, precision):
+    seed_everything(0, workers=True)
+    module = HostReadModule()
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    rec = GradRecorder()
+    trainer = make_trainer(strategy, STEPS, [rec], accelerator="gpu", precision=precision)
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    return module, rec, trainer
+
+
+def _compare_whole_step(name, fit, precision, graphs=None, expect_replays=True):
+    ref, ref_rec, _ = fit("ddp", precision)
+    again, _, _ = fit("ddp", precision)
+    strategy = cg_strategy("cuda", whole_step=True, **(graphs or {}))
+    got, rec, _ = fit(strategy, precision)
+    stats = strategy.last_step_graph_stats
+    spread = state_rel_diff(again.state_dict(), ref.state_dict())
+    weights = state_rel_diff(got.state_dict(), ref.state_dict())
+    losses = max(abs(a - b) for a, b in zip(rec.losses, ref_rec.losses))
+    print(f"{name} {precision} whole step: captures {stats.captures}, replays {stats.replays}, capture "
+          f"{stats.capture_seconds:.2f} s, loss diff {losses:.3g}, weight diff {weights:.3g}, ddp spread {spread:.3g}")
+    if expect_replays:
+        assert stats.captures == 1 and stats.replays == STEPS - 3, stats  # warmup 2 steps, capture at the third
+    else:
+        assert stats.replays == 0, stats
+    assert weights <= spread, (weights, spread)
+    if spread == 0.0:
+        for (key, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
+            assert torch.equal(a, b), key
+    return strategy, got
+
+
+@pytest.mark.parametrize("model, precision", [("llama", "32-true"), ("llama", "bf16-mixed"), ("gpt2", "32-true"),
+                                              ("resnet18", "32-true"), ("parity", "32-true")])
+def test_cuda_whole_step_equals_ddp(deterministic, model, precision):
+    """graphs.whole_step: forward, loss, backward and gradient sync replayed from one graph per step, the optimizer
+    step eager; weights bit-equal to ``"ddp"`` (resnet18: batch-norm buffers updated by the replays; the parity
+    model: logs in training_step and a step scheduler)."""
+    if model == "resnet18":
+        pytest.importorskip("torchvision")
+        fit = _fit_resnet
+    elif model == "parity":
+        fit = _fit_parity
+    else:
+        hf = pytest.importorskip("tests.hf_models")
+        build = {"llama": lambda: hf.tiny_llama(attn_implementation="eager"),
+                 "gpt2": lambda: hf.tiny_gpt2(attn_implementation="eager")}[model]
+
+        def fit(strategy, p):
+            return _fit_tokens(strategy, build, p)
+    _compare_whole_step(model, fit, precision)
+
+
+def test_cuda_whole_step_host_read_falls_back_to_eager_with_the_line_named(deterministic):
+    """A ``.item()`` in training_step cannot be replayed: the capture is refused with the user's line, nothing of it
+    is kept, and the run goes on eagerly (no layers to graph here), equal to ``"ddp"``."""
+    with pytest.warns(UserWarning, match=r"whole_step.*HostSyncError.*test_cuda_models\.py"):
+        strategy, got = _compare_whole_step("host-read", _fit_host_read, "32-true", expect_replays=False)
+    assert strategy.last_step_graph_stats.captures == 0
+    assert len(got.seen) == STEPS
+
+
+def test_cuda_whole_step_compiled_model_equals_the_same_compiled_model_under_ddp(deterministic):
+    """graphs.whole_step with the whole model compiled by Inductor (graphs.layers=["model"], graphs.compile) against
+    the same compiled model under ``"ddp"``; a replayed step launches Inductor's kernels."""
+    hf = pytest.importorskip("tests.hf_models")
+
+    def build():
+        return hf.tiny_llama(attn_implementation="eager")
+
+    def compiled_model(model):
+        model.forward = torch.compile(model.forward, dynamic=False)
+
+    def fit(strategy, prepare=None, probe=None):
+        torch._dynamo.reset()
+        rec = GradRecorder()
+        module, _ = hf.fit_hf(strategy, build, steps=STEPS, callbacks=[rec] + ([probe] if probe else []),
+                              prepare=prepare, trainer_kwargs=dict(accelerator="gpu", precision="32-true"))
+        return module, rec
+
+    ref, ref_rec = fit("ddp", compiled_model)
+    again, _ = fit("ddp", compiled_model)
+    spread = state_rel_diff(again.state_dict(), ref.state_dict())
+    strategy = cg_strategy("cuda", whole_step=True, compile=True, layers=["model"])
+    probe = KernelCount(at=STEPS - 2)
+    got, rec = fit(strategy, None, probe)
+    stats = strategy.last_step_graph_stats
+    weights = state_rel_diff(got.state_dict(), ref.state_dict())
+    losses = max(abs(a - b) for a, b in zip(rec.losses, ref_rec.losses))
+    print(f"llama whole step + compile: replays {stats.replays}, replayed step {probe.kernels} kernels "
+          f"({probe.triton} Inductor), loss diff {losses:.3g}, weight diff {weights:.3g}, ddp spread {spread:.3g}")
+    assert stats.captures == 1 and stats.replays == STEPS - 3, stats
+    assert probe.triton > 0
+    assert weights <= spread, (weights, spread)

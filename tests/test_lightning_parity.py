@@ -233,7 +233,7 @@ def test_comparison_names_the_first_difference():
 
 # ----------------------------------------------------------------- two processes over gloo
 DIST_SCENARIOS = ["fit", "accumulate_clip", "manual_accumulate", "manual_accumulate_no_sync", "gan",
-                  "find_unused_by_rank"]
+                  "find_unused_by_rank", "whole_step"]
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,8 @@ def dist_runs(tmp_path_factory):
 @pytest.mark.parametrize("scenario", DIST_SCENARIOS)
 def test_two_processes(dist_runs, scenario):
     """Each rank's facts equal between the sides: plain training; Adam with 2 batches accumulated and clipping
-    by norm; manual accumulation; the GAN; a head used on one rank at a time (find-unused strategies)."""
+    by norm; manual accumulation; the GAN; a head used on one rank at a time (find-unused strategies); the whole
+    step replayed as one graph (``graphs.whole_step``) with clipping."""
     for rank in (0, 1):
         sides = {}
         for side, folder in dist_runs.items():
@@ -267,4 +268,7 @@ def test_two_processes(dist_runs, scenario):
             assert path.exists(), f"{side} rank {rank}: no result; {log.read_text()[-3000:] if log.exists() else ''}"
             sides[side] = torch.load(path, weights_only=False)
         assert_same(sides["reference"], sides["candidate"])
+        if scenario == "whole_step":  # the candidate's steps after warmup were replayed from its step graph
+            replays = dist_runs["candidate"] / f"{scenario}.rank{rank}.replays"
+            assert replays.exists() and int(replays.read_text()) > 0, f"rank {rank}: no step replayed"
 

@@ -50,6 +50,8 @@ def all_peers() -> Dict[str, Peer]:
         cudagraph_ddp.PEER_WHOLE,
         cudagraph_ddp.PEER_COMPILE,
         cudagraph_ddp.PEER_WHOLE_COMPILE,
+        cudagraph_ddp.PEER_STEP,
+        cudagraph_ddp.PEER_STEP_COMPILE,
         cudagraph_ddp.PEER_DISTOPT,
     ]
     return {p.name: p for p in peers}
@@ -72,5 +74,7 @@ PEER_NAMES = (
     "cudagraph_ddp_whole",
     "cudagraph_ddp_compile",
     "cudagraph_ddp_whole_compile",
+    "cudagraph_ddp_step",
+    "cudagraph_ddp_step_compile",
     "cudagraph_ddp_distopt",
 )

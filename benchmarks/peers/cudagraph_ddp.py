@@ -8,7 +8,9 @@ plus ``capture_optimizer``: the step replayed from a graph, opt-in because not b
 the head, the embeddings stay eager), ``cudagraph_ddp_whole`` (the whole model's forward as one graphed call:
 ``graphs.layers=["model"]``), ``cudagraph_ddp_compile`` (the defaults plus ``graphs.compile``: the blocks compiled
 by Inductor, then captured) and ``cudagraph_ddp_whole_compile`` (the whole model compiled and captured as one
-call). The layer patterns of each model are ``benchmarks.models.LAYERS``."""
+call), ``cudagraph_ddp_step`` (``graphs.whole_step``: forward, loss, backward and gradient sync of the step as one
+graph) and ``cudagraph_ddp_step_compile`` (that, with the whole model compiled by Inductor first). The layer
+patterns of each model are ``benchmarks.models.LAYERS``."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ GRAPHS_OF = {
     "cudagraph_ddp_whole": {"layers": "whole", "on_capture_error": "split"},
     "cudagraph_ddp_compile": {"compile": True},
     "cudagraph_ddp_whole_compile": {"layers": "whole", "compile": True, "on_capture_error": "split"},
+    "cudagraph_ddp_step": {"whole_step": True},
+    "cudagraph_ddp_step_compile": {"whole_step": True, "layers": "whole", "compile": True},
 }
 
 
@@ -96,7 +100,14 @@ def run(s: RunSettings, peer: str = "cudagraph_ddp") -> PeerResult:
             notes.append("the optimizer step never ran on cached lists")
         if getattr(stats, "fallback_calls", 0):
             notes.append(f"{stats.fallback_calls} layer calls fell back to eager")
-    else:
+    step_stats = getattr(trainer.strategy, "last_step_graph_stats", None)
+    if graphs.get("whole_step"):
+        if step_stats is not None and step_stats.captures:
+            extra["step_graph_stats"] = dataclasses.asdict(step_stats)
+            capture_s = (capture_s or 0.0) + float(step_stats.capture_seconds)
+        if step_stats is None or not step_stats.replays:
+            notes.append("the whole step was never replayed from a graph")
+    elif stats is None:
         notes.append("the strategy kept no graph stats")
     # Capture happens at the start of step max(1, graphs.warmup_steps) (0-based); timing starts at step `warmup`.
     if max(1, s.cg_warmup_steps) >= s.warmup:
@@ -146,6 +157,12 @@ PEER_COMPILE = _variant("cudagraph_ddp_compile", True,
 PEER_WHOLE_COMPILE = _variant("cudagraph_ddp_whole_compile", True,
                               'cudagraph_ddp_whole plus graphs.compile=True: the whole forward compiled by Inductor, '
                               "then captured as one graph")
+PEER_STEP = _variant("cudagraph_ddp_step", False,
+                     "cudagraph_ddp plus graphs.whole_step=True: forward, loss, backward and gradient sync of each "
+                     "training step replayed from one graph; the optimizer step stays eager (the cached fused step)")
+PEER_STEP_COMPILE = _variant("cudagraph_ddp_step_compile", True,
+                             'cudagraph_ddp_step with graphs.layers = ["model"] and graphs.compile=True: the whole '
+                             "model compiled by Inductor, then the step captured as one graph")
 PEER_DISTOPT = _variant("cudagraph_ddp_distopt", False,
                         "cudagraph_ddp with ddp.distributed_optimizer=True: gradients reduce-scattered, the optimizer "
                         "state sharded over the ranks (one rank here: the whole model), parameters all-gathered")

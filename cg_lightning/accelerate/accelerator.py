@@ -79,12 +79,14 @@ class CUDAGraphAccelerator(Accelerator):
     ) -> None:
         self.graph_options = as_options(GraphOptions, graphs, "graphs")
         self.ddp_options = as_options(DDPOptions, ddp, "ddp")
-        if self.graph_options.capture_optimizer:
-            warnings.warn(
-                "cg_lightning: graphs.capture_optimizer applies to the Lightning strategy only; under "
-                "CUDAGraphAccelerator the optimizer step runs eagerly (the layers are still graphed).",
-                stacklevel=2,
-            )
+        for name, what in (("capture_optimizer", "the optimizer step runs eagerly"),
+                           ("whole_step", "the step is not captured as one graph")):
+            if getattr(self.graph_options, name):
+                warnings.warn(
+                    f"cg_lightning: graphs.{name} applies to the Lightning strategy only; under "
+                    f"CUDAGraphAccelerator {what} (the layers are still graphed).",
+                    stacklevel=2,
+                )
         super().__init__(*args, **kwargs)
         if self.ddp_handler is not None:
             raise ValueError(

@@ -126,29 +126,40 @@ def _capture_segment_backward(members: Sequence, run) -> None:
         seg.add(adds.flush)  # the last body of the segment's backward: what is still pending
 
 
+class TrainingStateSnapshot:
+    """``main_grad``, ``param.grad`` (unless ``restore_grads`` is false), the buffers of ``layers`` and the RNG states
+    of ``model`` as they are now; :meth:`restore` puts them back."""
+
+    def __init__(self, model: nn.Module, layers: List[nn.Module], restore_grads: bool = True) -> None:
+        self.params = list(model.parameters())
+        self.main_grads = [protocol.main_grad(p).clone() if protocol.has_main_grad(p) else None for p in self.params]
+        self.grads = [p.grad for p in self.params]
+        self.restore_grads = restore_grads
+        self.buffers = [b for layer in layers for b in layer.buffers()]
+        self.buffer_copies = [b.clone() for b in self.buffers]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = (torch.cuda.get_rng_state_all()
+                         if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p, mg, g in zip(self.params, self.main_grads, self.grads):
+                if mg is not None:
+                    protocol.main_grad(p).copy_(mg)
+                if self.restore_grads:
+                    p.grad = g
+            for b, c in zip(self.buffers, self.buffer_copies):
+                b.copy_(c)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
 @contextlib.contextmanager
 def preserved_training_state(model: nn.Module, layers: List[nn.Module], restore_grads: bool = True):
     """Restore ``main_grad``, ``param.grad``, layer buffers and RNG states after warmup and capture."""
-    params = list(model.parameters())
-    main_grads = [protocol.main_grad(p).clone() if protocol.has_main_grad(p) else None for p in params]
-    grads = [p.grad for p in params]
-    buffers = []
-    for layer in layers:
-        buffers.extend(b for b in layer.buffers())
-    buffer_copies = [b.clone() for b in buffers]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    snapshot = TrainingStateSnapshot(model, layers, restore_grads)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for p, mg, g in zip(params, main_grads, grads):
-                if mg is not None:
-                    protocol.main_grad(p).copy_(mg)
-                if restore_grads:
-                    p.grad = g
-            for b, c in zip(buffers, buffer_copies):
-                b.copy_(c)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        snapshot.restore()

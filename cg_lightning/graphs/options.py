@@ -65,6 +65,9 @@ class GraphOptions:
     direct_grad_ready: bool = True
     """Parameters only one graphed call reaches are reported ready by its replay, not by an autograd edge."""
 
+    whole_step: bool = False
+    """Lightning only: capture forward, loss, backward and gradient sync of the training step as one graph; opt-in."""
+
     compile: bool = False
     """Compile each graphed layer's forward with ``torch.compile`` (no CUDA graphs of its own) before capture; opt-in."""
 

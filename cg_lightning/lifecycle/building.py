@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ..ddp import DataParallelEngine, DDPOptions
 from ..graphs import GraphManager, GraphOptions
+from ..graphs.backends import make_backend
 from ..graphs.selection import default_layers, no_default_layers_message
 from .driver import TrainingDriver
 from .hf_cache import training_without_cache
@@ -46,19 +47,21 @@ def apply_graphs(
     if not options.enabled:
         return None
     if options.layers is None and not default_layers(model):
-        warnings.warn(no_default_layers_message(model), UserWarning, stacklevel=2)
+        if not options.whole_step:  # a graph of the whole step needs no layers
+            warnings.warn(no_default_layers_message(model), UserWarning, stacklevel=2)
         return None
     if accumulate_into_main_grad:  # training
         training_without_cache(model)
     return GraphManager(model, options, device, accumulate_into_main_grad=accumulate_into_main_grad)
 
 
-def capture_stream(graph_manager: Optional[GraphManager]) -> Optional["torch.cuda.Stream"]:
-    """The stream the manager captures on (CUDA backend), or ``None``. The engine creates the parameters'
-    gradient accumulators on it: a captured backward that feeds an accumulator bound to another stream fails."""
+def capture_stream(graph_manager) -> Optional["torch.cuda.Stream"]:
+    """The stream the manager (or a backend) captures on (CUDA backend), or ``None``. The engine creates the
+    parameters' gradient accumulators on it: a captured backward that feeds an accumulator bound to another stream
+    fails."""
     if graph_manager is None:
         return None
-    return getattr(graph_manager.backend, "stream", None)
+    return getattr(getattr(graph_manager, "backend", graph_manager), "stream", None)
 
 
 def apply_data_parallel(
@@ -74,8 +77,8 @@ def apply_data_parallel(
     Args:
         model: the module, already on its device (and with ``graph_manager`` installed, if any).
         options: :class:`~cg_lightning.ddp.DDPOptions` (``None``: the defaults).
-        graph_manager: the manager from :func:`apply_graphs`, whose capture stream the engine's gradient
-            accumulators must be bound to.
+        graph_manager: the manager from :func:`apply_graphs` (or the backend of the whole-step graphs), whose
+            capture stream the engine's gradient accumulators must be bound to.
         process_group: the group to reduce over (default: the world, when initialized).
         engine_type: :class:`~cg_lightning.ddp.DataParallelEngine` or a subclass taking its arguments.
 
@@ -95,8 +98,15 @@ def build_driver(
     process_group: Any = None,
     engine_type: Type[DataParallelEngine] = DataParallelEngine,
 ) -> TrainingDriver:
-    """:func:`apply_graphs`, then :func:`apply_data_parallel`, then a :class:`TrainingDriver` over both."""
+    """:func:`apply_graphs`, then :func:`apply_data_parallel`, then a :class:`TrainingDriver` over both. With
+    ``graphs.whole_step`` the driver's ``step_backend`` is the manager's backend (a backend of its own when no layer
+    is graphed), the one whole-step graphs capture with."""
     manager = apply_graphs(model, graphs, device)
-    engine = apply_data_parallel(model, ddp, graph_manager=manager, process_group=process_group,
+    step_backend = None
+    if graphs.enabled and graphs.whole_step:
+        step_backend = manager.backend if manager is not None else make_backend(graphs.backend, device)
+    engine = apply_data_parallel(model, ddp, graph_manager=manager or step_backend, process_group=process_group,
                                  engine_type=engine_type)
-    return TrainingDriver(graphs, manager, engine)
+    driver = TrainingDriver(graphs, manager, engine)
+    driver.step_backend = step_backend
+    return driver

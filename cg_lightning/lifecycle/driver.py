@@ -31,6 +31,8 @@ class TrainingDriver:
         completed_steps: micro-batches whose backward completed an optimizer step
             (:meth:`after_backward`); the default step index of :meth:`begin_micro_batch`.
         micro_batch_open: a micro-batch began and its forward calls are not over (:meth:`end_forward`).
+        layers_paused: the graph manager sees no training micro-batch (its layers run eagerly): a graph of the
+            whole step is warming up or replaying instead (``graphs.whole_step``).
         last_graph_stats: the manager's counters, kept by :meth:`close` (``None`` without a manager).
         last_optimizer_replays, last_cached_optimizer_steps: :attr:`optimizer_replays` and
             :attr:`cached_optimizer_steps`, kept by :meth:`close`.
@@ -50,6 +52,8 @@ class TrainingDriver:
         self.engine = engine
         self.completed_steps = 0
         self.micro_batch_open = False
+        self.layers_paused = False
+        self.step_backend = None  # graphs.whole_step: the backend its graphs capture with (:func:`.building.build_driver`)
         self._backward_due = False  # a micro-batch began since the last backward
         self._deferred = False  # a backward did not reach the model: its micro-batch waits for the next one
         self._captures_seen = 0
@@ -77,7 +81,7 @@ class TrainingDriver:
         """
         self.micro_batch_open = True
         self._backward_due = True
-        if self.graph_manager is not None:
+        if self.graph_manager is not None and not self.layers_paused:
             self.graph_manager.begin_step(self.completed_steps if step is None else step)
 
     @contextlib.contextmanager
@@ -101,7 +105,7 @@ class TrainingDriver:
         """The micro-batch's forward calls are over (its backward comes next, or none at all)."""
         if self.micro_batch_open:
             self.micro_batch_open = False
-            if self.graph_manager is not None:
+            if self.graph_manager is not None and not self.layers_paused:
                 self.graph_manager.end_step()
 
     @contextlib.contextmanager
@@ -132,7 +136,7 @@ class TrainingDriver:
         self._backward_due = self._deferred = False
         if self.engine is not None:
             self.engine.take_back_grads()
-        if due and self.graph_manager is not None:
+        if due and self.graph_manager is not None and not self.layers_paused:
             self.graph_manager.before_backward(loss)
         return due
 
@@ -166,6 +170,16 @@ class TrainingDriver:
         engine.expose_after_backward(completes_step)
         if completes_step:
             self.completed_steps += 1
+
+    def replayed_backward(self) -> None:
+        """A graph of the whole step ran this micro-batch's backward and gradient sync (``graphs.whole_step``): the
+        gradients are exposed again (``param.grad`` is ``main_grad``) and the step counted, as
+        :meth:`after_backward` does after autograd."""
+        self.end_forward()
+        self._backward_due = self._deferred = False
+        if self.engine is not None:
+            self.engine.expose_after_backward(True)
+        self.completed_steps += 1
 
     # ------------------------------------------------------------------------------------ optimizer
     @contextlib.contextmanager

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch
 
+from cg_lightning import CUDAGraphDDPStrategy
 from tests.lightning_manual_models import GANModel, ManualModel
 from tests.lightning_models import ParityModel
 from tests.lightning_runs import candidate, train
@@ -35,7 +36,12 @@ SCENARIOS = {
     # the extra head joins the loss on one rank at a time: used somewhere on every step, unused locally
     "find_unused_by_rank": ("ddp_find_unused_parameters_true", lambda: ParityModel(branch="rank"),
                             dict(max_epochs=2)),
+    # graphs.whole_step: forward, loss, backward and the all-reduce replayed as one step (eager backend), clipping
+    "whole_step": ("ddp", lambda: ParityModel(optimizer="adam", lr=0.01), dict(max_epochs=2, gradient_clip_val=0.05)),
 }
+
+#: scenario -> the candidate's graphs options, where it is not the reference's candidate strategy name
+CANDIDATE_GRAPHS = {"whole_step": {"whole_step": True, "backend": "eager", "warmup_steps": 2}}
 
 
 def main() -> None:
@@ -50,8 +56,14 @@ def main() -> None:
         for name in a.scenarios:
             reference, model, kwargs = SCENARIOS[name]
             strategy = reference if side == "reference" else candidate(reference)
+            if side == "candidate" and name in CANDIDATE_GRAPHS:
+                strategy = CUDAGraphDDPStrategy(graphs=CANDIDATE_GRAPHS[name])
             try:
                 facts = train(strategy, model, devices=2, **kwargs).facts()
+                step_stats = getattr(strategy, "last_step_graph_stats", None)
+                if step_stats is not None:  # the test checks that the steps were replayed
+                    with open(os.path.join(folder, f"{name}.rank{rank}.replays"), "w") as f:
+                        f.write(str(step_stats.replays))
             except Exception as e:  # noqa: BLE001  (reported by the test, scenario by scenario)
                 first = str(e).splitlines()[0] if str(e) else ""
                 with open(os.path.join(folder, f"{name}.rank{rank}.err"), "w") as f:

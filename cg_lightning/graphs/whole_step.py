@@ -1,0 +1,171 @@
+"""The whole training step as one graph: forward, loss, backward and the gradient all-reduce, replayed per step.
+
+Per-layer graphs leave the host to launch what lies between and around them: embeddings, masks, the loss,
+autograd's walk over the graph nodes, the engine's bookkeeping. On a small model that host time is the step
+(a transformers Llama at d=256: 2.6 ms of device work in a 4.5 ms step). Capturing the step as one graph leaves
+the host a copy of the batch into static buffers, one launch and the optimizer step. The idea is Megatron-LM's
+full-iteration graphs (``megatron/core/full_cuda_graph.py``: the forward and backward of a step in one graph,
+the optimizer outside) and NeMo's CUDA-graph callback for Lightning. The optimizer step stays outside here too,
+so the update is the one eager PyTorch computes: a ``capturable`` Adam computes its bias corrections on the
+device, in another order, and would not be bit-exact.
+
+A *step function* ``body(batch)`` runs the forward and the loss, then the backward (the engine's hooks add and
+all-reduce the gradients as they do eagerly), and returns the step's output. It is captured for one batch
+*signature* (the structure, shapes, dtypes, devices and layouts of the batch's tensors, and the values of its
+other leaves) and replayed for every batch of that signature: the batch's tensors are copied into the static
+buffers the graph reads, and the outputs are the graph's static tensors, overwritten by the next replay. Python
+in the step function runs at capture only, so it must do the same device work for every batch of a signature.
+
+On the CUDA backend the step function runs once eagerly on the capture stream before capture (libraries bind
+per-stream state lazily), with the module's buffers, ``main_grad`` and the RNG states restored afterwards, then
+once under capture, and the graph is replayed for the step itself. On the eager backend capture is a plain call
+and a replay calls the step function again (CPU tests of the bookkeeping).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .. import torch_compat
+from .capture_order import TrainingStateSnapshot, preserved_training_state
+from .signature import CallSignature
+
+
+@dataclass
+class StepGraph:
+    """One captured step: the static batch it reads and the static outputs it writes.
+
+    Attributes:
+        signature: the batch signature it was captured for.
+        graph: the backend's captured graph (``replay()``; ``outputs``: the flat static output tensors).
+        inputs: the static tensors of the batch, in the signature's order.
+        output_spec, output_leaves: the step output's tree structure and leaves (``None`` in tensor slots).
+        extras: whatever the front-end kept from the capture call (the logged values).
+    """
+
+    signature: CallSignature
+    graph: Any
+    inputs: List[torch.Tensor]
+    output_spec: Any
+    output_leaves: List[Any]
+    extras: Any = None
+
+    def output(self) -> Any:
+        """The step's output: the captured structure, with the static tensors in its tensor slots."""
+        outs = iter(self.graph.outputs)
+        leaves = [next(outs) if leaf is None else leaf for leaf in self.output_leaves]
+        return torch_compat.tree_unflatten(leaves, self.output_spec)
+
+
+@dataclass
+class StepGraphStats:
+    """Counters of the whole-step graphs of one training run."""
+
+    captures: int = 0  #: step graphs captured (one per batch signature)
+    replays: int = 0  #: steps replayed from a graph
+    eager_steps: int = 0  #: steps after warmup that ran eagerly (a batch of another signature)
+    capture_seconds: float = 0.0  #: wall time of the captures, warmup runs included
+    signatures: List[str] = field(default_factory=list)  #: the captured batch signatures, as text
+
+
+class StepGraphs:
+    """The captured steps of one training run, one per batch signature, in one memory pool.
+
+    Args:
+        backend: a :mod:`.backends` backend; the DDP engine's hooks must have been made on its capture stream
+            (:func:`cg_lightning.lifecycle.apply_data_parallel` does), so the backward's gradient accumulation runs
+            on that stream during capture.
+        max_graphs: most signatures captured; batches of another signature run eagerly after that.
+    """
+
+    def __init__(self, backend, max_graphs: int = 4) -> None:
+        self.backend = backend
+        self.max_graphs = max_graphs
+        self.pool = backend.new_pool()
+        self.graphs: List[StepGraph] = []
+        self.stats = StepGraphStats()
+
+    def find(self, batch: Any) -> Optional[StepGraph]:
+        """The step graph captured for ``batch``'s signature, or ``None``."""
+        for graph in self.graphs:
+            if graph.signature.matches((batch,), {}):
+                return graph
+        return None
+
+    def mismatches(self, batch: Any) -> List[str]:
+        """How ``batch`` differs from the first captured signature (one line per leaf)."""
+        if not self.graphs:
+            return []
+        return [line.replace("args[0]", "batch", 1) for line in self.graphs[0].signature.mismatches((batch,), {})]
+
+    @property
+    def full(self) -> bool:
+        return len(self.graphs) >= self.max_graphs
+
+    def capture(self, body: Callable[[Any], Any], batch: Any, module: nn.Module, extras: Any = None) -> StepGraph:
+        """Capture ``body`` for ``batch``'s signature and run this step (the returned graph's :meth:`~StepGraph.output`
+        holds its result).
+
+        Args:
+            body: the step function; called with a batch of static tensors (copies of ``batch``'s).
+            batch: this step's batch (a tree of tensors and other values).
+            module: the trained module, whose buffers (and parameters' ``main_grad``) the CUDA warmup run restores.
+            extras: kept on the step graph for the caller.
+
+        Raises:
+            ValueError: ``batch`` holds no tensor.
+            Exception: whatever ``body`` or the capture raises; ``module``'s buffers, gradients and RNG states are
+                restored then, and a CUDA capture leaves the process as it was (:func:`.capture_guard.guarded_capture`).
+        """
+        start = time.perf_counter()
+        signature = CallSignature((batch,), {})
+        inputs = [t.detach().clone() for t in signature.tensor_leaves((batch,), {})]
+        if not inputs:
+            raise ValueError("the batch holds no tensor, so a graph of the step would read nothing from it")
+        (static_batch,), _ = signature.rebuild(inputs)
+        holder: dict = {}
+
+        def run() -> List[Optional[torch.Tensor]]:
+            out = body(static_batch)
+            leaves, spec = torch_compat.tree_flatten(out)
+            holder["spec"] = spec
+            holder["leaves"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+            return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+        before = TrainingStateSnapshot(module, [module])
+        try:
+            if self.backend.name == "cuda":
+                with preserved_training_state(module, [module]), self.backend.warmup_stream():
+                    run()
+            graph = self.backend.capture(run, self.pool)
+        except BaseException:
+            before.restore()  # the eager backend ran part of the step: nothing of it is kept
+            raise
+        if self.backend.name == "cuda":
+            graph.replay()  # capture records the work; this runs it for the step
+        step = StepGraph(signature, graph, inputs, holder["spec"], holder["leaves"], extras)
+        self.graphs.append(step)
+        self.stats.captures += 1
+        self.stats.capture_seconds += time.perf_counter() - start
+        self.stats.signatures.append(", ".join(str(m) for m in signature.metas))
+        return step
+
+    def replay(self, step: StepGraph, batch: Any) -> Any:
+        """Copy ``batch``'s tensors into ``step``'s static inputs, replay it, return its output."""
+        with torch.no_grad():
+            for static, new in zip(step.inputs, step.signature.tensor_leaves((batch,), {})):
+                if static.data_ptr() != new.data_ptr():
+                    static.copy_(new)
+        step.graph.replay()
+        self.stats.replays += 1
+        return step.output()
+
+    def clear(self) -> None:
+        """Drop every captured step (and, with the last reference, the pool)."""
+        self.graphs = []
+        self.pool = None
