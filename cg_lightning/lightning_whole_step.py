@@ -21,6 +21,8 @@ A batch of another signature runs its step eagerly (``shape_policy="eager"``, on
 
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, List, Optional, Tuple
@@ -44,6 +46,19 @@ def _overridden(obj: Any, name: str, base_names: Tuple[str, ...]) -> bool:
         if name in klass.__dict__:
             return klass.__name__ not in base_names
     return False
+
+
+def _raised_at(exc: BaseException) -> Optional[str]:
+    """The innermost frame of ``exc``'s traceback outside torch and this package: the code that made the call that
+    failed (``file:line in function: source``), or ``None``."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not os.path.abspath(frame.filename).startswith(skip):
+            found = frame
+    if found is None:
+        return None
+    return f"{found.filename}:{found.lineno} in {found.name}: {(found.line or '').strip()}"
 
 
 class _LogRecorder:
@@ -197,7 +212,9 @@ class LightningWholeStep:
             graph = self.graphs.capture(body, batch, module, extras=calls)
         except Exception as exc:  # noqa: BLE001 - any failure: per-layer graphs, and this step runs eagerly
             strategy.engine.zero_grad_buffer()
-            self.give_up(f"capturing it failed: {type(exc).__name__}: {exc}")
+            where = _raised_at(exc)
+            self.give_up(f"capturing it failed: {type(exc).__name__}: {str(exc).rstrip('.')}"
+                         + (f" (raised under {where})" if where else ""))
             return None
         stats = self.graphs.stats
         self.announce(f"cg_lightning: captured the whole training step (forward, loss, backward, gradient sync) as "

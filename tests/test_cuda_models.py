@@ -248,23 +248,38 @@ def test_cuda_whole_step_equals_ddp(deterministic, model, precision):
         fit = _fit_resnet
     elif model == "parity":
         fit = _fit_parity
-    else:
+    else:  # SDPA (transformers' default) on its math kernel, deterministic; "eager" attention cannot be captured whole
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         hf = pytest.importorskip("tests.hf_models")
-        build = {"llama": lambda: hf.tiny_llama(attn_implementation="eager"),
-                 "gpt2": lambda: hf.tiny_gpt2(attn_implementation="eager")}[model]
+        build = {"llama": lambda: hf.tiny_llama(attn_implementation="sdpa"),
+                 "gpt2": lambda: hf.tiny_gpt2(attn_implementation="sdpa")}[model]
 
         def fit(strategy, p):
-            return _fit_tokens(strategy, build, p)
+            with sdpa_kernel(SDPBackend.MATH):
+                return _fit_tokens(strategy, build, p)
     _compare_whole_step(model, fit, precision)
+
+
+def test_cuda_whole_step_of_transformers_eager_attention_falls_back_naming_the_library_line(deterministic):
+    """transformers' "eager" attention builds its mask with ``torch.tensor(0.0, device=...)``, a copy from host memory
+    that a capture refuses: one warning names that line, per-layer graphs take over, weights equal ``"ddp"``."""
+    hf = pytest.importorskip("tests.hf_models")
+
+    def fit(strategy, p):
+        return _fit_tokens(strategy, lambda: hf.tiny_llama(attn_implementation="eager"), p)
+
+    with pytest.warns(UserWarning, match=r"whole_step.*pinned.*masking_utils\.py"):
+        _compare_whole_step("llama eager attention", fit, "32-true", expect_replays=False)
 
 
 def test_cuda_whole_step_host_read_falls_back_to_eager_with_the_line_named(deterministic):
     """A ``.item()`` in training_step cannot be replayed: the capture is refused with the user's line, nothing of it
-    is kept, and the run goes on eagerly (no layers to graph here), equal to ``"ddp"``."""
+    is kept, and the run goes on with per-layer graphs (the two Linear layers), equal to ``"ddp"``."""
     with pytest.warns(UserWarning, match=r"whole_step.*HostSyncError.*test_cuda_models\.py"):
         strategy, got = _compare_whole_step("host-read", _fit_host_read, "32-true", expect_replays=False)
     assert strategy.last_step_graph_stats.captures == 0
-    assert len(got.seen) == STEPS
+    assert len(got.seen) == STEPS + 1  # the run before capture (on the capture stream) read it once more
 
 
 def test_cuda_whole_step_compiled_model_equals_the_same_compiled_model_under_ddp(deterministic):

@@ -127,12 +127,15 @@ def _capture_segment_backward(members: Sequence, run) -> None:
 
 
 class TrainingStateSnapshot:
-    """``main_grad``, ``param.grad`` (unless ``restore_grads`` is false), the buffers of ``layers`` and the RNG states
-    of ``model`` as they are now; :meth:`restore` puts them back."""
+    """``main_grad`` (unless ``main_grads`` is false: a copy the size of the gradients), ``param.grad`` (unless
+    ``restore_grads`` is false), the buffers of ``layers`` and the RNG states as they are now; :meth:`restore` puts
+    them back."""
 
-    def __init__(self, model: nn.Module, layers: List[nn.Module], restore_grads: bool = True) -> None:
+    def __init__(self, model: nn.Module, layers: List[nn.Module], restore_grads: bool = True,
+                 main_grads: bool = True) -> None:
         self.params = list(model.parameters())
-        self.main_grads = [protocol.main_grad(p).clone() if protocol.has_main_grad(p) else None for p in self.params]
+        self.main_grads = [protocol.main_grad(p).clone() if main_grads and protocol.has_main_grad(p) else None
+                           for p in self.params]
         self.grads = [p.grad for p in self.params]
         self.restore_grads = restore_grads
         self.buffers = [b for layer in layers for b in layer.buffers()]

@@ -17,8 +17,9 @@ buffers the graph reads, and the outputs are the graph's static tensors, overwri
 in the step function runs at capture only, so it must do the same device work for every batch of a signature.
 
 On the CUDA backend the step function runs once eagerly on the capture stream before capture (libraries bind
-per-stream state lazily), with the module's buffers, ``main_grad`` and the RNG states restored afterwards, then
-once under capture, and the graph is replayed for the step itself. On the eager backend capture is a plain call
+per-stream state lazily), with the module's buffers and the RNG states restored afterwards, then once under
+capture, and the graph is replayed for the step itself. ``main_grad`` is not copied: the step function zeroes it
+before its backward. On the eager backend capture is a plain call
 and a replay calls the step function again (CPU tests of the bookkeeping).
 """
 
@@ -32,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from .. import torch_compat
-from .capture_order import TrainingStateSnapshot, preserved_training_state
+from .capture_order import TrainingStateSnapshot
 from .signature import CallSignature
 
 
@@ -119,7 +120,7 @@ class StepGraphs:
 
         Raises:
             ValueError: ``batch`` holds no tensor.
-            Exception: whatever ``body`` or the capture raises; ``module``'s buffers, gradients and RNG states are
+            Exception: whatever ``body`` or the capture raises; ``module``'s buffers and the RNG states are
                 restored then, and a CUDA capture leaves the process as it was (:func:`.capture_guard.guarded_capture`).
         """
         start = time.perf_counter()
@@ -137,11 +138,14 @@ class StepGraphs:
             holder["leaves"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
             return [x for x in leaves if isinstance(x, torch.Tensor)]
 
-        before = TrainingStateSnapshot(module, [module])
+        # main_grad is not kept: the step function zeroes it first, and a failed capture is followed by a step that
+        # zeroes it too; a copy would cost the gradients' size at the capture step's peak
+        before = TrainingStateSnapshot(module, [module], restore_grads=False, main_grads=False)
         try:
             if self.backend.name == "cuda":
-                with preserved_training_state(module, [module]), self.backend.warmup_stream():
+                with self.backend.warmup_stream():
                     run()
+                before.restore()  # buffers (batch-norm statistics) and RNG as before the warmup run
             graph = self.backend.capture(run, self.pool)
         except BaseException:
             before.restore()  # the eager backend ran part of the step: nothing of it is kept
