@@ -45,6 +45,45 @@ def test_gather_order_and_hook_coverage():
     engine.close()
 
 
+@pytest.mark.parametrize("segments", [False, True])
+def test_graph_manager_calls_before_graphed_reads(segments):
+    """``GraphManager.bind_param_reads``: the callback gets each graphed layer's module at its call (recorded or
+    replayed), ``None`` before the capture, and at a segment's launch every member's module, before the graph that
+    reads them runs (module hooks would not: a replay calls none of the layer's submodules)."""
+    from cg_lightning.graphs import GraphOptions
+    from cg_lightning.lifecycle import build_driver
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(3)])
+    calls = []
+
+    def body(x):
+        calls.append("forward")
+        for block in blocks:
+            x = block(x)
+        return x
+
+    model = torch.nn.Module()
+    model.blocks = blocks
+    model.forward = body
+    options = GraphOptions(warmup_steps=1, backend="eager", segments=segments)
+    driver = build_driver(model, options, DDPOptions(), torch.device("cpu"))
+    name = {id(b): f"block{i}" for i, b in enumerate(blocks)}
+    driver.graph_manager.bind_param_reads(lambda m: calls.append(None if m is None else name[id(m)]))
+    for step in range(3):
+        driver.begin_micro_batch(step)
+        loss = driver.engine(torch.randn(2, 4)).sum()
+        driver.end_forward()
+        driver.before_backward(loss)
+        loss.backward()
+        driver.after_backward()
+        driver.after_optimizer_step()
+    driver.close()
+    each = ["block0", "block1", "block2"]
+    replay = ["block0", *each, "block1", "block2"] if segments else each
+    assert calls == ["forward", *each, "forward", "block0", None, *replay[1:], "forward", *replay], calls
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The script with 2 processes (every run), then with 4 (the driver runs only): the ranks' results."""

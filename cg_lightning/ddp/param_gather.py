@@ -78,8 +78,9 @@ class ParamGather:
 
     # ----------------------------------------------------------------- the step
     def start(self) -> None:
-        """Start every bucket's all-gather (the last ones first waited for); return once the synchronous buckets
-        (every bucket without overlap) are gathered. Nothing to do in one process."""
+        """Start every bucket's all-gather, in :attr:`order`, after waiting for those still pending; return once
+        the :attr:`synchronous` buckets (every bucket without overlap or before :meth:`install`) are gathered.
+        Nothing to do in one process."""
         if self.layout.world_size == 1:
             return
         self.wait_all()
