@@ -1,7 +1,8 @@
-"""``ddp.overlap_param_gather`` (:mod:`cg_lightning.ddp.param_gather`): the parameters' all-gather after a sharded step
-runs on into the next forward, each bucket waited for just before its parameters are first read.
+"""``ddp.overlap_param_gather`` (:mod:`cg_lightning.ddp.param_gather`): the parameters' all-gather after a sharded
+step runs on into the next forward, each bucket waited for just before its parameters are first read.
 
-In one process (no collectives): the order the buckets are gathered in and what the hooks cover. Across 2 processes
+In one process (no collectives): the order the buckets are gathered in, what the hooks cover, and when the graph
+manager calls the engine before graphed code reads parameters. Across 2 processes
 (and 4 for the driver runs; gloo, ``tests/scripts/distopt_overlap_dist.py``), from the recorded events of every run:
 no read of a module's parameters (eager forward, graphed forward replayed by the eager backend, a segment's launch,
 a capture, ``state_dict``, an eval forward, Lightning's validation and checkpoints) while one of their buckets is
@@ -28,7 +29,8 @@ def test_gather_order_and_hook_coverage():
     from cg_lightning.ddp.param_gather import ParamGather
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.Linear(4, 1))
+    linear = torch.nn.Linear
+    model = torch.nn.Sequential(linear(3, 4), torch.nn.Sequential(linear(4, 4)), linear(4, 1))
     engine = DataParallelEngine(model, DDPOptions(distributed_optimizer=True, bucket_size_mb=1e-6))
     gather = engine.param_gather
     first = [gather.bucket_of[p] for p in model.parameters()]

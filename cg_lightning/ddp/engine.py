@@ -106,8 +106,9 @@ class DataParallelEngine(nn.Module):
         self.shards: Optional[ShardLayout] = (ShardLayout(self.buffers_, self.group, self.rank, self.world_size)
                                               if sharded else None)
         #: the all-gather of the updated parameters after each sharded step (:mod:`.param_gather`), or ``None``
-        self.param_gather: Optional[ParamGather] = (ParamGather(self.shards, self.params,
-                                                                self.options.overlap_param_gather) if sharded else None)
+        self.param_gather: Optional[ParamGather] = None
+        if self.shards is not None:
+            self.param_gather = ParamGather(self.shards, self.params, self.options.overlap_param_gather)
         self.bucket_of: Dict[nn.Parameter, Bucket] = {p: b for b in self.buckets for p in b.params}
         #: ``ddp.find_unused_parameters``: a parameter may get no gradient in a backward (:mod:`.unused`)
         self.unused: Optional[UnusedParameters] = None
