@@ -9,6 +9,13 @@ without the distributed optimizer gets the shards joined into an ordinary full s
 (:func:`~cg_lightning.optim.sharded_state.full_state_dict`); :func:`consolidate` does that offline, for Lightning's
 ``"ddp"`` or any other strategy.
 
+Parameters. With ``ddp.overlap_param_gather`` (the default) the parameters' all-gather after a step runs on into the
+next forward, each bucket waited for before its first use (:mod:`cg_lightning.ddp.param_gather`). The strategy
+waits for all of them where Lightning reads parameters outside a training forward and the strategy is told:
+validation, test and predict starts, checkpoint saves, the end of training; a hook or callback of the user's that
+reads parameter values between the optimizer step and the next forward calls :meth:`~DistributedOptimizerMixin.
+wait_for_params` first.
+
 Clipping. Lightning clips through its precision plugin's ``clip_grad_by_norm`` over the optimizer's parameters;
 under the distributed optimizer only this rank's shard of each gradient is reduced, so the plugin's method is
 replaced (while the strategy is set up) by one that takes the norm over every rank's shard
@@ -137,7 +144,9 @@ class DistributedOptimizerMixin:
     """The Lightning strategy's part of ``ddp.distributed_optimizer`` (a base of ``CUDAGraphDDPMixin``, before
     Lightning's ``DDPStrategy`` in the method order): after Lightning's ``setup`` made the optimizers, each one's
     sharded step (before a checkpoint's optimizer state is loaded) and :class:`GlobalNormClipping`; checkpoint files
-    with the ranks' shards beside them. Reads the strategy's ``driver``, ``engine`` and ``ddp_options``.
+    with the ranks' shards beside them; the waits for the parameters' all-gathers (:meth:`wait_for_params`) at
+    validation, test and predict starts, checkpoint saves and the end of training. Reads the strategy's ``driver``,
+    ``engine`` and ``ddp_options``.
 
     Raises:
         ValueError: from ``setup``: 16-mixed precision (its GradScaler checks every element of every gradient, of
@@ -160,8 +169,37 @@ class DistributedOptimizerMixin:
             self.driver.shard_optimizer(getattr(optimizer, "_optimizer", optimizer))
         self._clipping = GlobalNormClipping(self.precision_plugin, self.driver.sharded_optimizer)
 
+    def wait_for_params(self) -> None:
+        """Wait for the parameters' all-gathers still running after a sharded step (``ddp.overlap_param_gather``):
+        call it in a hook or callback that reads parameter values between ``optimizer.step()`` and the next
+        forward (an EMA in ``on_train_batch_end``). Nothing to do otherwise."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.wait_for_params()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.wait_for_params()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self.wait_for_params()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.wait_for_params()
+        super().on_predict_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.wait_for_params()
+        super().on_train_end()
+
     @override
     def teardown(self) -> None:
+        self.wait_for_params()
         if self._clipping is not None:
             self._clipping.remove()
             self._clipping = None
@@ -170,6 +208,7 @@ class DistributedOptimizerMixin:
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Lightning's save; first every rank writes its optimizer shard beside the file (:func:`save_shards`)."""
+        self.wait_for_params()
         checkpoint = save_shards(checkpoint, filepath, self.global_rank, self.world_size,
                                  lambda obj, path: self.checkpoint_io.save_checkpoint(obj, path))
         super().save_checkpoint(checkpoint, filepath, storage_options)

@@ -140,7 +140,8 @@ VALID = {
     "ddp": {"bucket_size_mb": [0.5, 4], "average": [False], "grad_dtype": [None, "float32", "bfloat16", "float16"],
             "timeout_s": [1, 2.5], "check_grad_ready": [False], "broadcast_buffers": [False],
             # the two modes exclude each other: each round sets one of them
-            "find_unused_parameters": [True, False], "distributed_optimizer": [False, True]},
+            "find_unused_parameters": [True, False], "distributed_optimizer": [False, True],
+            "overlap_param_gather": [False, True]},
 }
 
 

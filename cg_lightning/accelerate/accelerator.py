@@ -22,7 +22,10 @@ point for a data-parallel engine, so, like other libraries that bring their own 
   ``clip_grad_norm_`` and the optimizer see the reduced gradients; prints the driver's ``capture_summary``.
 * ``unwrap_model``: also removes the engine.
 * ``clip_grad_norm_`` and ``save_state``, under ``ddp.distributed_optimizer`` only: the norm over every rank's shard;
-  ``save_state`` refused (each rank saves its own ``optimizer.state_dict()``).
+  ``save_state`` refused (each rank saves its own ``optimizer.state_dict()``). With ``ddp.overlap_param_gather`` the
+  parameters' all-gather after ``optimizer.step()`` runs on into the next forward of the prepared model, whose
+  modules wait for it, as do ``state_dict()``, ``load_state_dict()``, the next step and the end of training;
+  :meth:`~CUDAGraphAccelerator.wait_for_params` before reading parameter values otherwise in between.
 """
 
 from __future__ import annotations
@@ -205,6 +208,13 @@ class CUDAGraphAccelerator(Accelerator):
                              "whole prepared optimizers of one model (model.parameters()): the norm is summed over "
                              "the ranks' shards of those optimizers' gradients.")
         return sharded
+
+    def wait_for_params(self) -> None:
+        """Wait for the parameters' all-gathers still running after a sharded step (``ddp.distributed_optimizer``
+        with ``ddp.overlap_param_gather``): call it before reading parameter values between ``optimizer.step()``
+        and the next forward other than through ``state_dict()`` (an EMA update). Nothing to do otherwise."""
+        for engine in self._graph_engines:
+            engine.wait_for_params()
 
     @override
     def save_state(self, *args: Any, **kwargs: Any):

@@ -34,6 +34,7 @@ from .bucket import Bucket
 from .grad_ready import GradReady
 from .hooks import GradHooks
 from .options import DDPOptions
+from .param_gather import ParamGather
 from .ready_check import ReadyCheck
 from .reducer import BucketReducer
 from .shards import ShardLayout
@@ -104,6 +105,10 @@ class DataParallelEngine(nn.Module):
         #: in buffers of the same layout (:mod:`.shards`); ``None`` otherwise
         self.shards: Optional[ShardLayout] = (ShardLayout(self.buffers_, self.group, self.rank, self.world_size)
                                               if sharded else None)
+        #: the all-gather of the updated parameters after each sharded step (:mod:`.param_gather`), or ``None``
+        self.param_gather: Optional[ParamGather] = None
+        if self.shards is not None:
+            self.param_gather = ParamGather(self.shards, self.params, self.options.overlap_param_gather)
         self.bucket_of: Dict[nn.Parameter, Bucket] = {p: b for b in self.buckets for p in b.params}
         #: ``ddp.find_unused_parameters``: a parameter may get no gradient in a backward (:mod:`.unused`)
         self.unused: Optional[UnusedParameters] = None
@@ -227,8 +232,16 @@ class DataParallelEngine(nn.Module):
                                             self.buffers_[0].data.device if self.buffers_ else torch.device("cpu"))
         self.iteration += 1
 
+    def wait_for_params(self) -> None:
+        """Wait for the parameters' all-gathers still pending after a sharded step (``ddp.overlap_param_gather``);
+        afterwards every parameter holds its updated value. Nothing to do otherwise."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
+
     def close(self) -> None:
         """Remove the hooks and grad-ready notifiers; the module trains as if never wrapped."""
+        if self.param_gather is not None:
+            self.param_gather.close()
         self._grad_hooks.remove()
         self.grad_ready.clear()
         self._check.close()

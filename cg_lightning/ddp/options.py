@@ -47,6 +47,9 @@ class DDPOptions:
     distributed_optimizer: bool = False
     """Reduce-scatter buckets; each rank keeps optimizer state (and fp32 master weights) of its shard only."""
 
+    overlap_param_gather: bool = True
+    """With ``distributed_optimizer``: all-gather the updated parameters during the next forward, not at the step."""
+
     def __post_init__(self) -> None:
         check_options(self, "ddp")
         if self.distributed_optimizer and self.find_unused_parameters:

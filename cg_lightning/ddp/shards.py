@@ -97,11 +97,17 @@ class ShardLayout:
         """``piece``'s elements of the parameter buffer (1-D view of the parameter itself)."""
         return self.param_data[piece.buffer][piece.offset : piece.offset + piece.end - piece.start]
 
+    def start_gather(self, bucket: int):
+        """Start the in-place all-gather of bucket number ``bucket`` (the engine's bucket index) of the parameter
+        buffers: every rank's updated shard into every rank's parameters. Returns the collective's handle."""
+        full, shard = self._gathers[bucket]
+        return all_gather(full, shard, self.group)
+
     def gather_params(self) -> None:
-        """Every rank's updated shard into every rank's parameters: one in-place all-gather per bucket, all started
-        before the first is waited for. Nothing to do in one process."""
+        """:meth:`start_gather` of every bucket, all started before the first is waited for (the overlapped form is
+        :class:`~.param_gather.ParamGather`). Nothing to do in one process."""
         if self.world_size == 1:
             return
-        handles = [all_gather(full, shard, self.group) for full, shard in self._gathers]
+        handles = [self.start_gather(i) for i in range(len(self._gathers))]
         for handle in handles:
             handle.wait()

@@ -134,6 +134,8 @@ class GraphManager:
         # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
         self.grad_ready = None
+        #: called before graphed code reads parameters (:meth:`bind_param_reads`), or ``None``
+        self.param_reads: Optional[Callable[[Optional[nn.Module]], None]] = None
         self._observers = observer_hooks.ObserverWatch()  # transformers' output hooks inside the layers
         for layer in list(self.layers):
             self._refuse_early(layer, at_call=False)
@@ -172,6 +174,14 @@ class GraphManager:
         parameters (``DataParallelEngine.grad_ready``, :mod:`cg_lightning.protocol`): replays report to it. Call
         it before the capture, right after building the engine."""
         self.grad_ready = reporter
+
+    def bind_param_reads(self, callback: Optional[Callable[[Optional[nn.Module]], None]]) -> None:
+        """Have ``callback(module)`` called before a graphed layer's call (eager, recorded or replayed) reads the
+        parameters of ``module`` (the layer; at a segment's launch each member) and ``callback(None)`` before a
+        capture, which reads every layer's: the data-parallel engine waits there for parameters still being
+        gathered (``ddp.overlap_param_gather``). ``None`` removes it."""
+        self.param_reads = callback
+        self._replay.param_reads = callback
 
     # ----------------------------------------------------------------- state
     @property
@@ -294,6 +304,8 @@ class GraphManager:
             return
         pending = self.cache.pop_pending(args, kwargs)  # a kind seen in warmup, or recorded under "recapture"
         if pending is not None:
+            if self.param_reads is not None:
+                self.param_reads(None)
             replay.graph_set = self._sets.capture(pending, self.grad_ready, self._segment_ends)
             if self._split_since(self._global_step):  # this step records the parts' calls, the next captures
                 self._start_of_step(args, kwargs)
@@ -332,6 +344,8 @@ class GraphManager:
     def _dispatch(self, layer: GraphedLayer, args: tuple, kwargs: dict):
         """One call of a graphed layer: outside a training step (or without autograd) it runs eagerly or replays
         an eval graph; inside one, the step's :class:`StepMode`, fixed at its first graphed call, decides."""
+        if self.param_reads is not None:
+            self.param_reads(layer.module)
         if not self._graphable(layer):
             return self._ungraphed_call(layer, args, kwargs)
         if self._mode is StepMode.UNSTARTED:

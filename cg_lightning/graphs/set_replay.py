@@ -59,6 +59,9 @@ class SetReplay:
         #: id(runner) of the runners replayed in this step, while the set has direct-ready candidates
         self.replayed: Set[int] = set()
         self._direct_switch: List[Tuple[object, List[nn.Parameter]]] = []  # confirmed, applied at begin_step
+        #: the manager's ``param_reads`` callback (``GraphManager.bind_param_reads``): called with every member's
+        #: module before a segment launches, or ``None``
+        self.param_reads = None
 
     def begin_step(self) -> None:
         """A training micro-batch starts: the parameters confirmed at the last backward are reported by their
@@ -93,6 +96,9 @@ class SetReplay:
             return self._fallback(layer, index, runner, args, kwargs)
         tensors = runner.signature.tensor_leaves(args, kwargs)
         segment = runner.segment
+        if segment is not None and not follows and self.param_reads is not None:
+            for member in segment.member_runners or ():  # the launch runs every member's forward
+                self.param_reads(member.module)
         if segment is not None and not follows:
             if segment.node_runners is not None:
                 return segment_calls.launch(self, segment, tensors, args, kwargs)

@@ -49,6 +49,9 @@ The events and what they guarantee:
   apply, else the optimizer's own.
 * :meth:`~TrainingDriver.after_optimizer_step`: closes a micro-batch a forward opened after the backward and
   (unless told otherwise) zeroes ``main_grad``.
+* :meth:`~TrainingDriver.wait_for_params`: every parameter holds its updated value (under
+  ``ddp.overlap_param_gather`` the all-gathers after a sharded step are otherwise waited for by the next forward,
+  bucket by bucket, by ``state_dict()`` and by the next backward or step: :mod:`cg_lightning.ddp.param_gather`).
 * :meth:`~TrainingDriver.capture_summary`: what was captured since the last call, as a value to print.
 * :meth:`~TrainingDriver.close`: graphs removed, the optimizers as the user built them, the engine's hooks
   gone; the counters stay readable (``last_graph_stats``, ``last_optimizer_replays``, ...).

@@ -61,15 +61,25 @@ class TrainingDriver:
         self.last_graph_stats: Optional[GraphStats] = None
         self.last_optimizer_replays = 0
         self.last_cached_optimizer_steps = 0
-        if graph_manager is not None and engine is not None:
+        if engine is not None:
             self._connect(graph_manager, engine)
 
     @staticmethod
-    def _connect(graph_manager: GraphManager, engine: DataParallelEngine) -> None:
+    def _connect(graph_manager: Optional[GraphManager], engine: DataParallelEngine) -> None:
         """The one place where a graph manager and the engine that reduces its gradients are joined (the engine
         was built on the manager's capture stream, :func:`~.building.apply_data_parallel`): replays report
-        grad-ready to this engine's reporter."""
+        grad-ready to this engine's reporter. Under ``ddp.overlap_param_gather`` the parameters' all-gathers are
+        waited for by forward pre-hooks on the modules outside the graphed layers and, for the graphed layers, by
+        the manager's call before their parameters are read (:mod:`cg_lightning.ddp.param_gather`)."""
+        gather = engine.param_gather
+        graphed = [layer.module for layer in graph_manager.layers] if graph_manager is not None else []
+        if gather is not None:
+            gather.install(engine.module, graphed)
+        if graph_manager is None:
+            return
         graph_manager.bind_grad_ready(engine.grad_ready)
+        if gather is not None:
+            graph_manager.bind_param_reads(gather.wait_module)
 
     # ------------------------------------------------------------------------------------ micro-batch
     def begin_micro_batch(self, step: Optional[int] = None) -> None:
@@ -135,6 +145,7 @@ class TrainingDriver:
         due = self._backward_due or self._deferred
         self._backward_due = self._deferred = False
         if self.engine is not None:
+            self.engine.wait_for_params()  # a parameter no forward hook covered: before the backward reads it
             self.engine.take_back_grads()
         if due and self.graph_manager is not None and not self.layers_paused:
             self.graph_manager.before_backward(loss)
@@ -248,11 +259,18 @@ class TrainingDriver:
         self._captures_seen = manager.stats.captures
         return CaptureSummary.of(manager)
 
+    def wait_for_params(self) -> None:
+        """Wait for the parameters' all-gathers still pending after a sharded step (``ddp.overlap_param_gather``):
+        before code outside the model's forward reads or writes parameter values. Nothing to do otherwise."""
+        if self.engine is not None:
+            self.engine.wait_for_params()
+
     # ------------------------------------------------------------------------------------ teardown
     def close(self) -> None:
         """End of training: the optimizers get back the ``capturable`` setting the user gave them, the layers
         their own ``forward`` (graphs dropped), the parameters no engine hooks. Counters stay readable in
         ``last_graph_stats``, ``last_optimizer_replays`` and ``last_cached_optimizer_steps``."""
+        self.wait_for_params()
         self.last_optimizer_replays = self.optimizer_replays
         self.last_cached_optimizer_steps = self.cached_optimizer_steps
         self._optimizer_steps.close()

@@ -1,7 +1,8 @@
 """What runs as ``optimizer.step()`` inside :meth:`TrainingDriver.stepping <.driver.TrainingDriver.stepping>`.
 
 Per optimizer, chosen where it applies, in this order: the sharded step (``ddp.distributed_optimizer``: the
-optimizer's update on this rank's shard, then the parameters all-gathered; never captured), the captured step graph (``graphs.capture_optimizer``,
+optimizer's update on this rank's shard, then the parameters' all-gather started, waited for by the next forward
+under ``ddp.overlap_param_gather``; never captured), the captured step graph (``graphs.capture_optimizer``,
 once the layers replay: one eager step prepared for capture, then the capture, then replays; refused with a
 reason, e.g. a ``ddp.grad_dtype`` other than the parameters'), the cached fused Adam step
 (``graphs.cached_optimizer_step``), else the optimizer's own ``step``.
@@ -53,7 +54,8 @@ class OptimizerSteps:
             return None
         key = id(optimizer)
         if key not in self._sharded:
-            self._sharded[key] = ShardedOptimizer(optimizer, engine.shards, self.graph_options.cached_optimizer_step)
+            self._sharded[key] = ShardedOptimizer(optimizer, engine.shards, self.graph_options.cached_optimizer_step,
+                                                  getattr(engine, "param_gather", None))
         return self._sharded[key]
 
     def sharded(self, optimizer: torch.optim.Optimizer) -> Optional[ShardedOptimizer]:

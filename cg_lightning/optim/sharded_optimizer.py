@@ -7,7 +7,9 @@ over *runs*: each parameter's part of this rank's shard as one flat tensor (a vi
 its fp32 master copy for parameters of lower precision) with the matching view of ``main_grad`` as its gradient (or
 an fp32 copy). The optimizer state, so, is that of the shard: 1/N of the
 elements. After the inner step, low-precision parameters take their masters' values and every bucket's parameters are
-all-gathered. Only optimizers whose update is elementwise qualify (a per-tensor norm, as in LAMB, would see pieces,
+all-gathered (:class:`~cg_lightning.ddp.param_gather.ParamGather`: with ``ddp.overlap_param_gather`` the all-gathers
+are left running, to be waited for by the next forward; the next step, the state dicts and clipping wait for all of
+them first). Only optimizers whose update is elementwise qualify (a per-tensor norm, as in LAMB, would see pieces,
 not parameters). Clipping by norm (:func:`clip_grad_norm_`) combines the ranks' norms of their pieces.
 
 The design follows Megatron-LM's distributed optimizer (``megatron/core/optimizer/distrib_optimizer.py``: shard
@@ -24,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..ddp.param_gather import ParamGather
 from ..ddp.shards import Piece, ShardLayout
 from .fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
 from .sharded_state import load_state, shard_state_dict
@@ -83,6 +86,8 @@ class ShardedOptimizer:
         optimizer: the user's optimizer over (some of) the engine's parameters; one of :data:`ELEMENTWISE`.
         layout: the engine's :class:`~cg_lightning.ddp.shards.ShardLayout`.
         cached_step: step a fused ``Adam``/``AdamW`` on cached tensor lists (:mod:`.fused_adam_step`).
+        gather: the engine's :class:`~cg_lightning.ddp.param_gather.ParamGather` (shared by every optimizer of the
+            engine); ``None``: a gather of ``layout`` that waits at the step.
 
     While it lives, ``optimizer.state_dict()`` returns this rank's shard of the state and
     ``optimizer.load_state_dict()`` takes such shards from any world size, or an ordinary full state dict
@@ -93,12 +98,14 @@ class ShardedOptimizer:
             engine's trainable ones.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layout: ShardLayout, cached_step: bool = True) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: ShardLayout, cached_step: bool = True,
+                 gather: Optional[ParamGather] = None) -> None:
         reason = sharded_refusal(optimizer)
         if reason is not None:
             raise ValueError(f"cg_lightning: ddp.distributed_optimizer cannot shard this optimizer: {reason}.")
         self.optimizer = optimizer
         self.layout = layout
+        self.gather = gather if gather is not None else ParamGather(layout, overlap=False)
         group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         owned = {p for b in layout.buffers for p, _ in b.offsets}
         foreign = [p for p in group_of if p not in owned]
@@ -134,12 +141,14 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ step
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Run ``closure`` (grad enabled), then update this rank's shard and all-gather the parameters."""
+        """Run ``closure`` (grad enabled), then update this rank's shard and start the all-gather of the parameters
+        (:meth:`ParamGather.start <cg_lightning.ddp.param_gather.ParamGather.start>`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
+            self.gather.wait_all()  # the last step's all-gathers read the shard this step writes
             for run in self.runs:
                 if run.grad is not run.grad_view:
                     run.grad.copy_(run.grad_view)
@@ -153,7 +162,7 @@ class ShardedOptimizer:
             for run in self.runs:
                 if run.master:
                     run.param_view.copy_(run.param)
-            self.layout.gather_params()
+            self.gather.start()
         return loss
 
     @property
@@ -163,11 +172,13 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard of the optimizer state (:func:`.sharded_state.shard_state_dict`)."""
+        self.gather.wait_all()
         return shard_state_dict(self)
 
     def load_state_dict(self, state: Any) -> None:
         """Load shards (one dict, or a list from any world size) or an ordinary full state dict
         (:func:`.sharded_state.load_state`)."""
+        self.gather.wait_all()
         load_state(self, state)
 
     def close(self) -> None:
@@ -189,6 +200,8 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
     combined by one all-reduce. A collective: every rank of the engine's group calls it. Returns the total norm
     (0-dim tensor on the buffers' device)."""
     layout = optimizers[0].layout
+    for o in optimizers:
+        o.gather.wait_all()
     pieces = []
     for k, o in enumerate(optimizers):
         number = {p: i for i, p in enumerate(o.params)}
