@@ -133,7 +133,7 @@ VALID = {
     "graphs": {"enabled": [False], "layers": [None, ["model.blocks.*"], ("a.*", "b")], "warmup_steps": [0, 5],
                "num_warmup_iters": [1, 3], "backend": ["auto", "cuda", "eager"],
                "shape_policy": ["eager", "error", "recapture"], "max_graph_sets": [1, 8],
-               "on_capture_error": ["raise", "eager", "split"], "capture_optimizer": [True], "cached_optimizer_step": [False],
+               "on_capture_error": ["raise", "eager", "split"], "capture_optimizer": [True], "whole_step": [True], "cached_optimizer_step": [False],
                "segments": [False], "capture_eval": [True], "direct_grad_ready": [False],
                "compile": [True], "compile_mode": ["default", "max-autotune-no-cudagraphs"],
                "compile_backend": ["inductor", "aot_eager"]},
