@@ -180,3 +180,32 @@ def test_the_optimizer_step_keeps_the_cached_fused_adam_step():
 
     strategy, _, _ = _check(FusedAdam)
     assert strategy.last_cached_optimizer_steps > 0
+
+
+def test_graph_monitor_logs_the_replayed_steps_of_a_model_without_layers(tmp_path):
+    """A model without repeated layers: no per-layer graphs, the whole step replayed; ``GraphMonitor`` logs
+    ``graphs/step_replays`` through Lightning's CSV logger and the progress bar says ``whole step``."""
+    import csv
+    import glob
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from cg_lightning.callbacks import GraphMonitor
+
+    class BarProbe(Callback):
+        def __init__(self):
+            self.states = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.states.append(trainer.progress_bar_callback.get_metrics(trainer, pl_module).get("graphs"))
+
+    strategy = whole_step()
+    run = train(strategy, functools.partial(ParityModel, body="linear"), max_steps=STEPS,
+                callbacks=[GraphMonitor(log_every_n_steps=2), BarProbe()], logger=CSVLogger(tmp_path),
+                log_every_n_steps=1, enable_progress_bar=True)
+    probe = next(c for c in run.trainer.callbacks if isinstance(c, BarProbe))  # train() copies the callbacks
+    assert strategy.last_graph_stats is None  # nothing per layer
+    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)[0])))
+    logged = [float(r["graphs/step_replays"]) for r in rows if r.get("graphs/step_replays")]
+    assert logged and logged[-1] == STEPS - 3, rows  # every step after warmup (2) and capture (1)
+    assert probe.states[-1] == "whole step" and probe.states[0] is None, probe.states

@@ -39,7 +39,9 @@ class GraphMonitorMixin:
     after minus before each capture, summed: the graphs' static buffers and pool; 0 on CPU); with
     ``graphs.capture_optimizer`` also ``graphs/optimizer_replays`` (optimizer steps replayed from a graph so
     far in this fit); with ``graphs.capture_eval`` also ``graphs/eval_replays`` (eval-mode layer calls
-    replayed from forward-only graphs so far in this fit).
+    replayed from forward-only graphs so far in this fit); with ``graphs.whole_step`` also
+    ``graphs/step_replays`` (training steps replayed from a graph of the whole step so far) and
+    ``graphs/step_eager`` (steps after warmup that ran eagerly: a batch of another shape).
 
     With ``prog_bar`` the progress bar shows ``graphs/captured`` and a ``graphs`` entry with the state:
     ``eager`` (before capture), ``captured N`` and ``, fallback`` when some calls run eagerly.
@@ -63,6 +65,12 @@ class GraphMonitorMixin:
         manager = getattr(trainer.strategy, "graph_manager", None)
         return None if manager is None else manager.stats
 
+    @staticmethod
+    def _step_stats(trainer):
+        """The whole-step graphs' counters (``graphs.whole_step``), or ``None``."""
+        whole_step = getattr(trainer.strategy, "whole_step", None)
+        return None if whole_step is None else whole_step.stats
+
     # ----------------------------------------------------------------- progress bar
     def setup(self, trainer, pl_module, stage: str) -> None:
         bar = trainer.progress_bar_callback
@@ -73,6 +81,9 @@ class GraphMonitorMixin:
         def get_metrics(trainer, pl_module):
             metrics = original(trainer, pl_module)
             state = graph_state(self._stats(trainer))
+            step_stats = self._step_stats(trainer)
+            if step_stats is not None and step_stats.replays:
+                state = "whole step" + (f"; layers {state}" if state and state != "eager" else "")
             if state:
                 metrics["graphs"] = state
             return metrics
@@ -87,19 +98,27 @@ class GraphMonitorMixin:
 
     # ----------------------------------------------------------------- metrics
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stats = self._stats(trainer)
-        if stats is None:
+        stats, step_stats = self._stats(trainer), self._step_stats(trainer)
+        if stats is None and step_stats is None:
             return
         self._batches += 1
         now = time.perf_counter()
+        replays = stats.forward_replays if stats is not None else 0
         if self._t0 is None:
             self._t0 = now
             self._last_batches = self._batches
-            self._last_replays = stats.forward_replays
+            self._last_replays = replays
             return
         if trainer.global_step % self.log_every_n_steps != 0 or self._batches == self._last_batches:
             return
         batches = self._batches - self._last_batches
+        if step_stats is not None:
+            pl_module.log("graphs/step_replays", float(step_stats.replays), on_step=True)
+            pl_module.log("graphs/step_eager", float(step_stats.eager_steps), on_step=True)
+        if stats is None:
+            pl_module.log("graphs/step_time_ms", 1000.0 * (now - self._t0) / batches, on_step=True)
+            self._t0, self._last_batches = now, self._batches
+            return
         pl_module.log("graphs/captured", float(stats.captured_runners), prog_bar=self.prog_bar, on_step=True)
         pl_module.log("graphs/replays_per_step", (stats.forward_replays - self._last_replays) / batches, on_step=True)
         pl_module.log("graphs/eager_fallbacks", float(stats.fallback_calls), on_step=True)
