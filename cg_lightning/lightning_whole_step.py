@@ -21,6 +21,7 @@ A batch of another signature runs its step eagerly (``shape_policy="eager"``, on
 
 from __future__ import annotations
 
+import copy
 import os
 import traceback
 import warnings
@@ -29,11 +30,16 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from . import torch_compat
 from .graphs import GraphSignatureError
 from .graphs.host_sync import refuse_host_sync
 from .graphs.whole_step import StepGraph, StepGraphs
 
 _USER_HOOKS = ("backward", "optimizer_zero_grad", "on_before_zero_grad")  # would run at capture only
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 class StepCaptureRefused(RuntimeError):
@@ -116,8 +122,6 @@ class LightningWholeStep:
         trainer = module.trainer
         if not module.automatic_optimization:
             return "manual optimization: training_step calls the optimizers itself"
-        if trainer.accumulate_grad_batches != 1:
-            return f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})"
         if getattr(strategy.precision_plugin, "scaler", None) is not None:
             return "the GradScaler of 16-mixed checks the gradients for inf/NaN on the host every step"
         if getattr(strategy.engine, "shards", None) is not None:
@@ -143,8 +147,9 @@ class LightningWholeStep:
         driver.layers_paused = False
         then = ("The layers get per-layer graphs instead" if driver.graph_manager is not None
                 else "It runs eagerly (no layers to graph)")
-        warnings.warn(f"cg_lightning: graphs.whole_step: the training step is not captured as one graph: {reason}. "
-                      f"{then}.", stacklevel=3)
+        what = "no longer replayed from" if self.stats.replays else "not captured as"
+        warnings.warn(f"cg_lightning: graphs.whole_step: the training step is {what} one graph: {reason}. {then}.",
+                      stacklevel=3)
 
     # ----------------------------------------------------------------- the step
     def training_step(self, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
@@ -160,6 +165,9 @@ class LightningWholeStep:
             if reason is not None:
                 self.give_up(reason)
                 return False, None
+        if trainer.accumulate_grad_batches != 1:  # each step: a GradientAccumulationScheduler sets it per epoch
+            self.give_up(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})")
+            return False, None
         step = trainer.global_step
         if self._start_step is None:
             self._start_step = step
@@ -244,11 +252,14 @@ class LightningWholeStep:
 
     @staticmethod
     def _output(graph: StepGraph) -> Any:
-        """The step's output; tensors other than the loss are copied, since the next replay overwrites them."""
+        """The step's output; every tensor other than the loss (also in nested lists and dicts) is copied, since the
+        next replay overwrites them and a callback may keep a step's outputs (Lightning copies the loss itself)."""
         out = graph.output()
         if isinstance(out, Mapping):
-            return type(out)((k, v.clone() if k != "loss" and isinstance(v, torch.Tensor) else v)
-                             for k, v in out.items())
+            out = copy.copy(out)
+            for key in out:
+                if key != "loss":
+                    out[key] = torch_compat.tree_map(_copied, out[key])
         return out
 
     def take_backward(self) -> bool:

@@ -13,11 +13,14 @@ A *step function* ``body(batch)`` runs the forward and the loss, then the backwa
 all-reduce the gradients as they do eagerly), and returns the step's output. It is captured for one batch
 *signature* (the structure, shapes, dtypes, devices and layouts of the batch's tensors, and the values of its
 other leaves) and replayed for every batch of that signature: the batch's tensors are copied into the static
-buffers the graph reads, and the outputs are the graph's static tensors, overwritten by the next replay. Python
+buffers the graph reads, and the outputs are the graph's static tensors, overwritten by the next replay. Batch
+tensors the step changes in place (found at capture by their version counters) are copied back into the caller's
+batch after each step, so hooks that read the batch afterwards see what eager training leaves there. Python
 in the step function runs at capture only, so it must do the same device work for every batch of a signature.
 
 On the CUDA backend the step function runs once eagerly on the capture stream before capture (libraries bind
-per-stream state lazily), with the module's buffers and the RNG states restored afterwards, then once under
+per-stream state lazily), with the module's buffers, the RNG states and the static batch restored afterwards
+(a step that changes its batch in place must not find it changed twice), then once under
 capture, and the graph is replayed for the step itself. ``main_grad`` is not copied: the step function zeroes it
 before its backward. On the eager backend capture is a plain call
 and a replay calls the step function again (CPU tests of the bookkeeping).
@@ -47,6 +50,8 @@ class StepGraph:
         inputs: the static tensors of the batch, in the signature's order.
         output_spec, output_leaves: the step output's tree structure and leaves (``None`` in tensor slots).
         extras: whatever the front-end kept from the capture call (the logged values).
+        written: positions in ``inputs`` of the batch tensors the step changes in place; copied back into the
+            caller's batch after each step, which eager training would have changed.
     """
 
     signature: CallSignature
@@ -55,6 +60,7 @@ class StepGraph:
     output_spec: Any
     output_leaves: List[Any]
     extras: Any = None
+    written: List[int] = field(default_factory=list)
 
     def output(self) -> Any:
         """The step's output: the captured structure, with the static tensors in its tensor slots."""
@@ -146,13 +152,19 @@ class StepGraphs:
                 with self.backend.warmup_stream():
                     run()
                 before.restore()  # buffers (batch-norm statistics) and RNG as before the warmup run
+                with torch.no_grad():  # and the batch: a step that changes it in place gets it unchanged again
+                    for static, new in zip(inputs, signature.tensor_leaves((batch,), {})):
+                        static.copy_(new)
+            versions = [torch_compat.version(t) for t in inputs]  # the capture's in-place writes bump them
             graph = self.backend.capture(run, self.pool)
         except BaseException:
             before.restore()  # the eager backend ran part of the step: nothing of it is kept
             raise
         if self.backend.name == "cuda":
             graph.replay()  # capture records the work; this runs it for the step
-        step = StepGraph(signature, graph, inputs, holder["spec"], holder["leaves"], extras)
+        written = [i for i, (t, v) in enumerate(zip(inputs, versions)) if torch_compat.version(t) != v]
+        step = StepGraph(signature, graph, inputs, holder["spec"], holder["leaves"], extras, written)
+        self._write_back(step, batch)
         self.graphs.append(step)
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - start
@@ -166,8 +178,20 @@ class StepGraphs:
                 if static.data_ptr() != new.data_ptr():
                     static.copy_(new)
         step.graph.replay()
+        self._write_back(step, batch)
         self.stats.replays += 1
         return step.output()
+
+    @staticmethod
+    def _write_back(step: StepGraph, batch: Any) -> None:
+        """The batch tensors the step changed in place get the step's values, as eager training leaves them."""
+        if not step.written:
+            return
+        given = step.signature.tensor_leaves((batch,), {})
+        with torch.no_grad():
+            for i in step.written:
+                if given[i].data_ptr() != step.inputs[i].data_ptr():
+                    given[i].copy_(step.inputs[i])
 
     def clear(self) -> None:
         """Drop every captured step (and, with the last reference, the pool)."""
