@@ -74,7 +74,9 @@ class _DictOutput(ParityModel):
         pred = self(x)
         loss = F.mse_loss(pred, y)
         self.log("train_loss", loss)
-        return {"loss": loss, "pred": pred.detach(), "nested": {"double": 2 * pred.detach()}, "list": [loss + 1]}
+        # a defaultdict: a mapping whose constructor takes more than its items
+        return collections.defaultdict(list, {"loss": loss, "pred": pred.detach(),
+                                              "nested": {"double": 2 * pred.detach()}, "list": [loss + 1]})
 
 
 class _KeepOutputs(Callback):
@@ -93,8 +95,8 @@ class _KeepOutputs(Callback):
 
 
 def test_step_outputs_kept_across_steps_are_each_steps_own_also_nested():
-    """A callback that keeps the step outputs sees each step's values, also those in nested dicts and lists (a
-    replay overwrites the graph's static outputs)."""
+    """A callback that keeps the step outputs (a ``defaultdict``) sees each step's values, also those in nested
+    dicts and lists (a replay overwrites the graph's static outputs)."""
     _check(_DictOutput, callbacks=[_KeepOutputs()])
 
 
