@@ -9,7 +9,10 @@ hooks. When training starts the world group's timeout becomes ``ddp.timeout_s``;
 check's gloo groups have it from the start. A collective that fails in the strategy's hands (forward, backward,
 ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: validation's ``sync_dist``, checkpoint saving) raises
 :class:`~cg_lightning.ddp.peers.PeerLostError`, cause and rank first. A pending collective then ends within its
-timeout, so no rank waits longer than that in the process group's destructor.
+timeout, so no rank waits longer than that in the process group's destructor. The rank at fault is named among any
+number of ranks through the progress board (:mod:`cg_lightning.ddp.progress`), opened at setup and written at the
+start of every batch, its forward, backward and optimizer step, validation and checkpoint saves; a rank that stops
+on an error of its own writes it there (:meth:`FaultsMixin.on_exception`), so the others quote it.
 
 **Preemption** (:class:`LightningPreemption`). Lightning's signal connector stays in charge of installing the
 handlers for SIGTERM and, under SLURM with ``auto_requeue``, the requeue signal (SIGUSR1 unless configured); what

@@ -248,7 +248,7 @@ def broadcast_coalesced(group, tensors: List[torch.Tensor], buffer_size: int, sr
 
 def default_store():
     """``torch.distributed.distributed_c10d._get_default_store``: the key-value store of the world group's
-    rendezvous (a peer watch keeps each rank's heartbeat there, :mod:`cg_lightning.ddp.peers`)."""
+    rendezvous (the progress board reaches its host through it, :mod:`cg_lightning.ddp.progress`)."""
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()

@@ -7,7 +7,7 @@
 * Lightning, three processes of ``tests/scripts/faults_job.py`` per job, ``ddp.timeout_s = 10``, four jobs at once:
   a rank stopped (SIGSTOP) in the eager warmup steps and one in a replayed step, a rank killed (SIGKILL), rank 0
   killed. The other ranks end within ``timeout_s + 10`` s with a ``PeerLostError`` naming the rank (rank 0: as the
-  store host).
+  store host) and, for the replayed step, the last step it reported.
 * Accelerate, ``tests/scripts/accelerate_faults.py``: three processes under torchrun, rank 1 stopped in a replayed
   step: ranks 0 and 2 name it. Two processes, SIGTERM to rank 1 only: both stop after the same step with status
   143 and the state saved; the run resumed from it ends with the weights of an uninterrupted run, bit for bit.
@@ -167,7 +167,8 @@ def test_reports_are_throttled(world):
 # job -> (arguments, the rank it stops or kills, what the other ranks' error says after "rank R: ")
 LIGHTNING_JOBS = {
     "stop_warmup": (["--stop", "warmup", "--victim", "2"], 2, "rank 2 has been silent for 10 s (ddp.timeout_s)"),
-    "stop_replay": (["--stop", "replay", "--victim", "1"], 1, "rank 1 has been silent for 10 s (ddp.timeout_s)"),
+    "stop_replay": (["--stop", "replay", "--victim", "1", "--step-sleep", "0.4"], 1,
+                    "rank 1 has been silent for 10 s (ddp.timeout_s)"),
     "kill": (["--stop", "replay", "--victim", "1", "--kill"], 1, "rank 1 is gone (its process exited)"),
     "kill_rank0": (["--stop", "replay", "--victim", "0", "--kill"], 0, "rank 0 (the store host, 127.0.0.1:"),
 }
@@ -193,6 +194,8 @@ def test_three_ranks_name_the_stopped_or_killed_one(tmp_path):
         after = when - float((dirs[name] / "stopped").read_text())
         expected = f"PeerLostError: rank {r}: {LIGHTNING_JOBS[name][2]}"
         assert status == 1 and expected in log, (name, r, status, log[-3000:])
+        if name == "stop_replay":  # slow enough steps for the board to hold one (written at most once a second)
+            assert "rank 1 last reported" in log and "s ago at step " in log, log[-3000:]
         assert after < TIMEOUT_S + 10, (name, r, after)
         print(f"{name}: rank {r} ended {after:.1f} s after the fault")
 

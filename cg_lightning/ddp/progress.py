@@ -18,6 +18,7 @@ Imports only torch.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -212,6 +213,8 @@ def open_board(rank: int, world_size: int, timeout_s: float, store=None) -> Opti
             warnings.warn(f"cg_lightning: no progress board (the rendezvous store refused a client: {exc})",
                           RuntimeWarning, stacklevel=2)
             return None
+    if _generation == 0:
+        atexit.register(close_board)  # the store client goes before the interpreter's teardown
     _board = ProgressBoard(store, rank, world_size, min(1.0, max(0.25, timeout_s / 10)), holder, address,
                            _generation)
     _generation += 1

@@ -1,4 +1,5 @@
-"""One rank of a two-process (``--devices N``: an N-process) fit of the example GPT under ``cudagraph_ddp``, for ``tests/test_faults.py``.
+"""One rank of a two-process fit (``--devices N``: N processes) of the example GPT under ``cudagraph_ddp``, for
+``tests/test_faults.py`` and ``tests/test_faults_ranks.py``.
 
 Started once per rank as a cluster launcher starts processes (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT`` in the environment; Lightning then creates no processes of its own). The run:
