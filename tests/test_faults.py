@@ -59,8 +59,9 @@ def test_sigterm_saves_the_last_completed_step_and_the_resume_is_exact(tmp_path)
     for d in (ref_dir, run_dir, res_dir, one_dir):
         d.mkdir()
     interrupted_args = ["--steps", "200", "--step-sleep", "0.1", "--tag", "_interrupted"]
-    jobs = Jobs(tmp_path, TIMEOUT_S, {"reference": (ref_dir, ["--steps", str(total)]), "run": (run_dir, interrupted_args),
-                           "one": (one_dir, [*interrupted_args, "--devices", "1"])})
+    jobs = Jobs(tmp_path, TIMEOUT_S, {"reference": (ref_dir, ["--steps", str(total)]),
+                                      "run": (run_dir, interrupted_args),
+                                      "one": (one_dir, [*interrupted_args, "--devices", "1"])})
     try:
         deadline = time.monotonic() + 120
         sent = {}

@@ -252,10 +252,6 @@ class CUDAGraphAccelerator(AccelerateFaultsMixin, Accelerator):
             GradSyncError: a parameter did not report its gradient on some rank (named in the message).
             PeerLostError: another rank is gone or silent past ``ddp.timeout_s`` (named in the message).
         """
-        with self._bounded("backward"):
-            self._backward(loss, **kwargs)
-
-    def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         active = [engine for engine in self._graph_engines if engine.start_backward(loss)]
         for engine in self._graph_engines:
             engine.hooks_armed = True
@@ -276,16 +272,17 @@ class CUDAGraphAccelerator(AccelerateFaultsMixin, Accelerator):
                     "param.grad at them, and the optimizer step would change nothing. Call the prepared model, "
                     "once per backward, in training steps."
                 )
-        for engine in active:
-            if not engine.reached:
-                # the loss did not depend on this model's forward (a GAN generator's detached output in the
-                # discriminator's loss): its micro-batch waits for a backward that reaches it
-                engine.defer_backward()
-                continue
-            engine.finish_backward(completes_step=self.sync_gradients)
-            summary = engine.driver.capture_summary()
-            if summary is not None:
-                self.print(str(summary))
+        with self._bounded("backward"):  # the engines' waits: the grad-ready agreement, the buckets' all-reduce
+            for engine in active:
+                if not engine.reached:
+                    # the loss did not depend on this model's forward (a GAN generator's detached output in the
+                    # discriminator's loss): its micro-batch waits for a backward that reaches it
+                    engine.defer_backward()
+                    continue
+                engine.finish_backward(completes_step=self.sync_gradients)
+                summary = engine.driver.capture_summary()
+                if summary is not None:
+                    self.print(str(summary))
 
     @override
     def free_memory(self, *objects):

@@ -126,11 +126,14 @@ def _verdict(entries: List[Optional[Entry]], rank: int, others: List[int], kind:
     if len(others) == 1 and not errors and not down and not late:
         late = others  # two ranks: the other one is at fault even if it noticed a failure too
     first = _first_kind(entries, kind)
-    if errors:
-        notes = "; ".join(f"rank {r}: {entries[r].note}" for r in errors)
-        head = (f"{_ranks(errors)} stopped on {'its' if len(errors) == 1 else 'their'} own error at "
-                f"{_where(entries[errors[0]])} ({notes}) while this rank waited in {during}; its log holds the "
-                "traceback")
+    if len(errors) == 1:
+        e = entries[errors[0]]
+        head = (f"rank {errors[0]} stopped on its own error at {_where(e)} while this rank waited in {during}: "
+                f"{e.note}; its log holds the traceback")
+    elif errors:
+        notes = "; ".join(f"rank {r} at {_where(entries[r])}: {entries[r].note}" for r in errors)
+        head = (f"{_ranks(errors)} stopped on their own errors while this rank waited in {during}: {notes}; their "
+                "logs hold the tracebacks")
     elif down:
         groups: Dict[str, List[int]] = {}
         for r in down:

@@ -160,7 +160,8 @@ class ProgressBoard:
             else:
                 values = [self.store.get(k) if self.store.check([k]) else None for k in self._keys]
         except Exception as exc:
-            raise StoreUnreachable(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from exc
+            text = str(exc).strip()
+            raise StoreUnreachable(text.splitlines()[0] if text else type(exc).__name__) from exc
         return [_entry(v) for v in values]
 
 

@@ -8,8 +8,9 @@ steps (2 batches, ``val_loss`` reduced with ``sync_dist``), a ``ModelCheckpoint`
 checkpoints in ``--out``.
 
 * ``--stop PHASE``: rank ``--victim`` (default 1) writes the time to ``OUT/stopped`` and stops itself (SIGSTOP;
-  ``--kill``: SIGKILL) in that phase: ``warmup`` (start of step 1), ``replay`` (start of step 4), ``validation``
-  (first validation batch), ``checkpoint`` (inside the first checkpoint's ``on_save_checkpoint``).
+  ``--kill``: SIGKILL; ``--error``: raises ``ValueError``) in that phase: ``warmup`` (start of step 1), ``replay``
+  (start of step 4), ``validation`` (first validation batch), ``checkpoint`` (inside the first checkpoint's
+  ``on_save_checkpoint``).
 * ``--step-sleep S``: every rank sleeps ``S`` s after each batch and writes its step to ``OUT/step{rank}`` (the test
   sends SIGTERM to the whole job while it trains).
 * Rank 0 writes ``OUT/result{tag}.pt`` however ``fit`` ends: ``losses`` (one per batch taken), ``state`` (the
@@ -47,15 +48,17 @@ DATA = dict(block_size=16, batch_size=4, max_bytes=60 * 17, val_fraction=0.2)  #
 class Faults(Callback):
     """Records losses; stops rank 1 in the chosen phase; sleeps and reports progress after each batch."""
 
-    def __init__(self, out: str, stop: str, step_sleep: float, victim: int = 1, kill: bool = False) -> None:
-        self.out, self.stop, self.step_sleep, self.victim, self.kill = out, stop, step_sleep, victim, kill
+    def __init__(self, out: str, stop: str, step_sleep: float, victim: int = 1, how: str = "stop") -> None:
+        self.out, self.stop, self.step_sleep, self.victim, self.how = out, stop, step_sleep, victim, how
         self.losses = []
 
     def _stop_here(self, trainer, phase: str) -> None:
         if self.stop == phase and trainer.global_rank == self.victim:
             with open(os.path.join(self.out, "stopped"), "w") as f:
                 f.write(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL if self.kill else signal.SIGSTOP)
+            if self.how == "error":
+                raise ValueError("a bad batch (on purpose)")
+            os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == {"warmup": 1, "replay": 4}.get(self.stop):
@@ -83,7 +86,8 @@ def main(argv=None) -> None:
     ap.add_argument("--timeout-s", type=float, default=3.0)
     ap.add_argument("--stop", default="none", choices=["none", "warmup", "replay", "validation", "checkpoint"])
     ap.add_argument("--victim", type=int, default=1)
-    ap.add_argument("--kill", action="store_true")
+    ap.add_argument("--kill", dest="how", action="store_const", const="kill", default="stop")
+    ap.add_argument("--error", dest="how", action="store_const", const="error")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--ckpt-path", default=None)
     ap.add_argument("--devices", type=int, default=2)
@@ -91,7 +95,7 @@ def main(argv=None) -> None:
 
     seed_everything(7, workers=True)
     model = GPTLightningModule(**MODEL)
-    faults = Faults(a.out, a.stop, a.step_sleep, a.victim, a.kill)
+    faults = Faults(a.out, a.stop, a.step_sleep, a.victim, a.how)
     strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager"},
                                                  ddp={"timeout_s": a.timeout_s})
     trainer = Trainer(
