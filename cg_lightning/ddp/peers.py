@@ -115,8 +115,7 @@ def _wait(board: progress.ProgressBoard, others: List[int], grace: float) -> Lis
         time.sleep(0.2)
 
 
-def _verdict(entries: List[Optional[Entry]], rank: int, others: List[int], kind: str, during: str,
-             timeout_s: float) -> str:
+def _verdict(entries: List[Optional[Entry]], others: List[int], kind: str, during: str, timeout_s: float) -> str:
     errors = [r for r in others if entries[r] is not None and entries[r].kind == "error"]
     answered = [r for r in others if entries[r] is not None and entries[r].kind == "lost"]
     pending = [r for r in others if r not in errors and r not in answered]
@@ -198,7 +197,7 @@ def peer_error(exc: BaseException, during: str, timeout_s: float) -> PeerLostErr
         board.announce("lost", f"{kind}|{during}")
     try:
         entries = _wait(board, others, grace_s(timeout_s) if first and world > 2 else 0.0)
-        text = _verdict(entries, rank, others, kind, during, timeout_s)
+        text = _verdict(entries, others, kind, during, timeout_s)
     except StoreUnreachable as why:
         text = _unreachable(board, kind, during, others, timeout_s, why)
     except Exception as why:  # never hide the failure behind one of the diagnosis
