@@ -4,9 +4,10 @@
   ranks written as if on another host (no process to look at): a rank that did not answer is named with its last
   step and phase, a rank that stopped on its own error with its error, a closed connection seen after another rank
   timed out keeps the first cause, an unreachable store names its host (rank 0); writes are throttled.
-* Lightning, three processes of ``tests/scripts/faults_job.py`` per job, ``ddp.timeout_s = 10``, four jobs at once:
+* Lightning, three processes of ``tests/scripts/faults_job.py`` per job, ``ddp.timeout_s = 10``, six jobs at once:
   a rank stopped (SIGSTOP) in the eager warmup steps and one in a replayed step, a rank killed (SIGKILL), rank 0
-  killed, a rank that raises an error of its own. The other ranks end within ``timeout_s + 10`` s with a
+  (the store host) killed and stopped (its store then never answers: every read gives up after its timeout), a
+  rank that raises an error of its own. The other ranks end within ``timeout_s + 10`` s with a
   ``PeerLostError`` naming the rank (rank 0: as the store host; the raising rank with its error) and, for the
   replayed step, the last step it reported.
 * Accelerate, ``tests/scripts/accelerate_faults.py``: three processes under torchrun, rank 1 stopped in a replayed
@@ -173,7 +174,10 @@ LIGHTNING_JOBS = {
     "stop_replay": (["--stop", "replay", "--victim", "1", "--step-sleep", "0.4"], 1,
                     "rank 1 has been silent for 10 s (ddp.timeout_s)"),
     "kill": (["--stop", "replay", "--victim", "1", "--kill"], 1, "rank 1 is gone (its process exited)"),
-    "kill_rank0": (["--stop", "replay", "--victim", "0", "--kill"], 0, "rank 0 (the store host, 127.0.0.1:"),
+    "kill_rank0": (["--stop", "replay", "--victim", "0", "--kill"], 0, "rank 0 (the store host, 127.0.0.1:",
+                   "is unreachable: it is gone"),
+    "stop_rank0": (["--stop", "replay", "--victim", "0"], 0, "rank 0 (the store host, 127.0.0.1:",
+                   "is unreachable: it is silent for 10 s", "does not answer (Socket Timeout)"),
     "error": (["--stop", "replay", "--victim", "2", "--error"], 2,
               "rank 2 stopped on its own error at step 4 (step start) while this rank waited in ",
               ": ValueError: a bad batch (on purpose); its log holds the traceback"),

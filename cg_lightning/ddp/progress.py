@@ -19,7 +19,6 @@ Imports only torch.
 from __future__ import annotations
 
 import atexit
-import datetime
 import json
 import os
 import time
@@ -187,8 +186,7 @@ def _board_store(read_timeout_s: float):
     else:
         holder = "rank 0"
     if isinstance(store, dist.TCPStore):
-        client = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=read_timeout_s))
+        client = torch_compat.bounded_store_client(store.host, store.port, read_timeout_s)
         return client, holder, f"{store.host}:{store.port}"
     return store, "this job's store", type(store).__name__  # a FileStore or HashStore: local, never hangs
 
