@@ -3,7 +3,8 @@
 * The progress board and the verdict (``cg_lightning/ddp/progress.py``, ``peers.py``) on an in-memory store, with
   ranks written as if on another host (no process to look at): a rank that did not answer is named with its last
   step and phase, a rank that stopped on its own error with its error, a closed connection seen after another rank
-  timed out keeps the first cause, an unreachable store names its host (rank 0); writes are throttled.
+  timed out keeps the first cause, an unreachable store names its host (rank 0), a store-holding rank 0 waits at
+  exit until the others have read the board; writes are throttled.
 * Lightning, three processes of ``tests/scripts/faults_job.py`` per job, ``ddp.timeout_s = 10``, six jobs at once:
   a rank stopped (SIGSTOP) in the eager warmup steps and one in a replayed step, a rank killed (SIGKILL), rank 0
   (the store host) killed and stopped (its store then never answers: every read gives up after its timeout), a
@@ -156,6 +157,31 @@ def test_two_ranks_name_the_other_at_once(monkeypatch):
         progress.close_board()
 
 
+def test_a_store_holding_rank_0_waits_at_exit_until_the_others_are_done(world):
+    """Rank 0's process holds the store: after a failure it leaves only once every other rank has read the board
+    for the last time (or ``linger_s`` passed), so that a rank that noticed later can still read it."""
+    board, _, other = world
+    board.held, board.linger_s = object(), 0.6
+    board.announce("lost", "timeout|a barrier")
+    other(1, 5, "backward", "lost", "timeout|a barrier")
+    other(2, 4, "forward")  # at fault: never answers
+    other(3, 5, "backward", "lost", "timeout|a barrier")
+    progress.close_board()
+    assert progress.board() is None and progress._lingering is board
+    start = time.monotonic()
+    progress._at_exit()
+    assert 0.6 <= time.monotonic() - start < 1.5  # rank 2 never says it is done, ranks 1 and 3 did not either
+    for r in (1, 3):
+        entry = json.loads(board.store.data[board._keys[r]])
+        board.store.data[board._keys[r]] = json.dumps({**entry, "done": True}).encode()
+    board.store.data[board._keys[2]] = json.dumps({**entry, "kind": "error"}).encode()
+    progress.close_board()
+    progress._lingering = board
+    start = time.monotonic()
+    progress._at_exit()
+    assert time.monotonic() - start < 0.3 and progress._lingering is None
+
+
 def test_reports_are_throttled(world):
     board, store, _ = world
     before = store.sets
@@ -204,7 +230,8 @@ def test_three_ranks_name_the_stopped_killed_or_failed_one(tmp_path):
         after = when - float((dirs[name] / "stopped").read_text())
         lead, *rest = LIGHTNING_JOBS[name][2:]
         line = next((x for x in log.splitlines() if f"PeerLostError: rank {r}: {lead}" in x), None)
-        assert status == 1 and line is not None and all(x in line for x in rest), (name, r, status, log[-3000:])
+        errors = [x[:1500] for x in log.splitlines() if "Error: " in x]
+        assert status == 1 and line is not None and all(x in line for x in rest), (name, r, status, errors)
         if name == "stop_replay":  # slow enough steps for the board to hold one (written at most once a second)
             assert "rank 1 last reported" in log and "s ago at step " in log, log[-3000:]
         assert after < TIMEOUT_S + 10, (name, r, after)

@@ -202,6 +202,8 @@ def peer_error(exc: BaseException, during: str, timeout_s: float) -> PeerLostErr
         text = _unreachable(board, kind, during, others, timeout_s, why)
     except Exception as why:  # never hide the failure behind one of the diagnosis
         text = f"a collective failed during {during}; the ranks' progress could not be read ({why!r})"
+    if first:
+        board.finish()  # this rank reads the board no more (a store-holding rank 0 waits for that before it exits)
     return PeerLostError(f"rank {rank}: {text}. The transport said: {exc}")
 
 

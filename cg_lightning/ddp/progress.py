@@ -13,6 +13,13 @@ the board's own, whose calls give up after ``read_timeout_s`` (the rendezvous st
 the process group's timeout); a store that does not answer raises :class:`StoreUnreachable`. A rank's process on
 this host can also be looked at directly (:func:`process_state`).
 
+**Keeping the store up.** When rank 0 holds the store (a launcher without an agent store: Lightning's, SLURM's),
+its process's exit takes the board away from the other ranks. Once a rank has said it is lost or stopped on its
+own error and then *done* (:meth:`ProgressBoard.finish`, after naming the rank at fault), a store-holding rank 0
+leaves the process only after every other rank said it is done too, or was seen exited or stopped, or
+``min(10, max(2, timeout_s / 4)) + 2`` s passed (``atexit``), so that a rank that noticed the failure later (it
+waited in another collective, or its CPU was busy) still reads the board.
+
 Imports only torch.
 """
 
@@ -65,7 +72,8 @@ _NAMESPACE = _namespace()
 @dataclass
 class Entry:
     """One rank's last report. ``step`` ``-1``: before the first step. ``kind``: ``""`` while it trains, ``"lost"``
-    (a collective failed, ``note`` holds the failure's kind and phase) or ``"error"`` (``note``: the exception)."""
+    (a collective failed, ``note`` holds the failure's kind and phase) or ``"error"`` (``note``: the exception);
+    ``done``: it has read the board for the last time."""
 
     step: int
     phase: str
@@ -76,6 +84,7 @@ class Entry:
     namespace: str
     kind: str = ""
     note: str = ""
+    done: bool = False
 
     def age_s(self) -> float:
         """Seconds since it was written: by the monotonic clock on this host, by the wall clock elsewhere."""
@@ -105,10 +114,11 @@ class ProgressBoard:
         address: ``host:port`` of the store, for messages.
         generation: a number every rank counts alike (boards opened so far), so that a later training in the
             same job does not read an earlier one's entries.
+        held: the store's server object when this process holds it (kept alive here), else ``None``.
     """
 
     def __init__(self, store, rank: int, world_size: int, interval_s: float, store_host: str, address: str,
-                 generation: int = 0) -> None:
+                 generation: int = 0, held=None) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -116,7 +126,9 @@ class ProgressBoard:
         self.store_host = store_host
         self.address = address
         self.step, self.phase = -1, "set-up"
-        self.kind = ""
+        self.kind, self.note, self.done = "", "", False
+        self.held = held
+        self.linger_s = 4.0
         self.broken: Optional[str] = None  # why writing stopped (the store failed once: no further stalls)
         self._keys = [f"{_PREFIX}/{generation}/{r}" for r in range(world_size)]
         self._next = 0.0
@@ -135,12 +147,17 @@ class ProgressBoard:
     def announce(self, kind: str, note: str) -> None:
         """Write now that this rank is ``"lost"`` (a collective failed: ``note`` says which and how) or stopped on an
         ``"error"`` (``note``: the exception). Never raises."""
-        self.kind = kind
-        self._write(note)
+        self.kind, self.note = kind, note
+        self._write()
 
-    def _write(self, note: str = "") -> None:
+    def finish(self) -> None:
+        """Write that this rank has read the board for the last time (after :meth:`announce`). Never raises."""
+        self.done = True
+        self._write()
+
+    def _write(self) -> None:
         entry = Entry(self.step, self.phase, time.time(), time.monotonic(), os.getpid(), self._started, _NAMESPACE,
-                      self.kind, note)
+                      self.kind, self.note, self.done)
         try:
             self.store.set(self._keys[self.rank], json.dumps(asdict(entry)))
         except Exception as exc:  # the store is gone: say so at the next failure, not at every step
@@ -172,12 +189,13 @@ def _entry(value) -> Optional[Entry]:
 
 
 _board: Optional[ProgressBoard] = None
+_lingering: Optional[ProgressBoard] = None
 _generation = 0
 
 
 def _board_store(read_timeout_s: float):
-    """A client of the rendezvous store of its own with ``read_timeout_s``, the store's address and who holds it;
-    ``(None, "", "")`` without a store."""
+    """A client of the rendezvous store of its own with ``read_timeout_s``, who holds the store, its address, and
+    the store itself (its server, on rank 0 when it holds it)."""
     store = torch_compat.default_store()
     while hasattr(store, "underlying_store"):  # PrefixStore
         store = store.underlying_store
@@ -187,8 +205,8 @@ def _board_store(read_timeout_s: float):
         holder = "rank 0"
     if isinstance(store, dist.TCPStore):
         client = torch_compat.bounded_store_client(store.host, store.port, read_timeout_s)
-        return client, holder, f"{store.host}:{store.port}"
-    return store, "this job's store", type(store).__name__  # a FileStore or HashStore: local, never hangs
+        return client, holder, f"{store.host}:{store.port}", store
+    return store, "this job's store", type(store).__name__, store  # a FileStore or HashStore: local, never hangs
 
 
 def open_board(rank: int, world_size: int, timeout_s: float, store=None) -> Optional[ProgressBoard]:
@@ -203,28 +221,51 @@ def open_board(rank: int, world_size: int, timeout_s: float, store=None) -> Opti
     close_board()
     if world_size < 2 or (store is None and not (dist.is_available() and dist.is_initialized())):
         return None
+    server = None
     if store is not None:
         holder, address = "this job's store", type(store).__name__
     else:
         try:
-            store, holder, address = _board_store(min(5.0, max(1.0, timeout_s / 4)))
+            store, holder, address, server = _board_store(min(5.0, max(1.0, timeout_s / 4)))
         except Exception as exc:  # the rank at fault is then named for two ranks only
             warnings.warn(f"cg_lightning: no progress board (the rendezvous store refused a client: {exc})",
                           RuntimeWarning, stacklevel=2)
             return None
     if _generation == 0:
-        atexit.register(close_board)  # the store client goes before the interpreter's teardown
+        atexit.register(_at_exit)  # the store client goes before the interpreter's teardown
     _board = ProgressBoard(store, rank, world_size, min(1.0, max(0.25, timeout_s / 10)), holder, address,
-                           _generation)
+                           _generation, server if holder == "rank 0" and rank == 0 else None)
+    _board.linger_s = min(10.0, max(2.0, timeout_s / 4)) + 2.0
     _generation += 1
     _board.report(-1, "set-up")
     return _board
 
 
 def close_board() -> None:
-    """Drop this process's board and its store client."""
-    global _board
+    """Drop this process's board and its store client; a board of a store-holding rank 0 that saw a failure is
+    kept until the interpreter exits (see the module docstring)."""
+    global _board, _lingering
+    if _board is not None and _board.held is not None and _board.kind:
+        _lingering = _board
     _board = None
+
+
+def _at_exit() -> None:
+    global _lingering
+    close_board()
+    board, _lingering = _lingering, None
+    if board is None:
+        return
+    deadline = time.monotonic() + board.linger_s
+    while time.monotonic() < deadline:
+        try:
+            entries = board.read()
+        except StoreUnreachable:
+            return
+        if all(e is not None and (e.done or e.kind == "error" or process_state(e) in ("exited", "stopped"))
+               for r, e in enumerate(entries) if r != board.rank):
+            return
+        time.sleep(0.2)
 
 
 def board() -> Optional[ProgressBoard]:
