@@ -14,8 +14,11 @@ the same collective within about that time, since each waits ``ddp.timeout_s`` o
 * a rank that did not answer is at fault: **gone** (its process on this host exited, or a connection closed),
   **silent** (stopped, hung, its host unreachable); its process on this host is looked at directly, which also
   ends the wait early;
-* a rank whose process on this host runs but that did not answer is **late**: busy elsewhere;
+* a rank whose process on this host runs but that did not answer is **late** (busy elsewhere), named when no rank
+  is gone or silent;
 * when every rank answered, the ranks are in different collectives.
+
+Then it writes that it is *done* with the board (a store-holding rank 0 waits for that at exit).
 
 With two ranks nothing is waited for: the other one is at fault. A store that does not answer (its host is rank 0,
 or the launcher) names its host. Without a board (the front-end opened none), two ranks name the other one and more
