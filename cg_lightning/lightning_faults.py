@@ -9,7 +9,10 @@ hooks. When training starts the world group's timeout becomes ``ddp.timeout_s``;
 check's gloo groups have it from the start. A collective that fails in the strategy's hands (forward, backward,
 ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: validation's ``sync_dist``, checkpoint saving) raises
 :class:`~cg_lightning.ddp.peers.PeerLostError`, cause and rank first. A pending collective then ends within its
-timeout, so no rank waits longer than that in the process group's destructor.
+timeout, so no rank waits longer than that in the process group's destructor. The rank at fault is named among any
+number of ranks through the progress board (:mod:`cg_lightning.ddp.progress`), opened at setup and written at the
+start of every batch, its forward, backward and optimizer step, validation and checkpoint saves; a rank that stops
+on an error of its own writes it there (:meth:`FaultsMixin.on_exception`), so the others quote it.
 
 **Preemption** (:class:`LightningPreemption`). Lightning's signal connector stays in charge of installing the
 handlers for SIGTERM and, under SLURM with ``auto_requeue``, the requeue signal (SIGUSR1 unless configured); what
@@ -29,14 +32,14 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 from typing_extensions import override
 
 from . import torch_compat
-from .ddp import peers
+from .ddp import peers, progress
 from .lifecycle.preemption import StopRequest, control_group, exit_status, signal_name
 
 
@@ -92,6 +95,7 @@ class LightningPreemption:
     def check_at_batch_start(self) -> None:
         """Every rank, at the start of every training batch (several processes): agree; stop at a boundary."""
         step = self.trainer.global_step
+        progress.report(step, "step start")
         if self.request.agree(f"the preemption check before step {step}") and self._at_window_boundary():
             self._stop()
 
@@ -125,27 +129,33 @@ class LightningPreemption:
 
 
 class FaultsMixin:
-    """The strategy's part in faults: bounded, named collectives and preemption (see the module docstring).
-    Expects ``ddp_options`` and ``_announce`` from the strategy body."""
+    """The strategy's part in faults: bounded, named collectives, the progress board, preemption (see the module
+    docstring). Expects ``ddp_options`` and ``_announce`` from the strategy body."""
 
     _preemption: Optional[LightningPreemption] = None
 
-    def _bounded(self, during: str):
-        return peers.peer_errors(during, self.ddp_options.timeout_s)
-
-    def _step_name(self) -> str:
+    def _step(self) -> int:
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        return f"step {trainer.global_step}" if trainer is not None else "a step"
+        return trainer.global_step if trainer is not None else -1
+
+    def _bounded(self, phase: str, during: Optional[str] = None):
+        """Report ``phase`` of this step to the progress board; inside, a failed collective is a named
+        ``PeerLostError`` (``during``: the phase in words, default "the PHASE of step N")."""
+        step = self._step()
+        progress.report(step, phase)
+        return peers.peer_errors(during or f"the {phase} of {f'step {step}' if step >= 0 else 'a step'}",
+                                 self.ddp_options.timeout_s)
 
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if trainer.state.fn != self._lightning_ns.fitting:
             return
-        # No heartbeat thread (peers.PeerWatch): its store writes from a second thread aborted the process at exit
-        # ("terminate called without an active exception") whenever PYTORCH_NVML_BASED_CUDA_CHECK=1, which Lightning
-        # sets. Without it the rank at fault is named for two ranks; with more, the message says "another rank".
+        # Progress reports from the main thread only: a heartbeat thread's store writes aborted the process at exit
+        # ("terminate called without an active exception") under PYTORCH_NVML_BASED_CUDA_CHECK=1, which Lightning sets.
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            progress.open_board(dist.get_rank(), dist.get_world_size(), self.ddp_options.timeout_s)
         self._preemption = LightningPreemption(self.ddp_options.timeout_s, self._announce)
         self._preemption.attach(trainer)
 
@@ -158,44 +168,60 @@ class FaultsMixin:
 
     @override
     def training_step(self, *args: Any, **kwargs: Any):
-        with self._bounded(f"the forward of {self._step_name()}"):
+        with self._bounded("forward"):
             return super().training_step(*args, **kwargs)
 
     @override
     def backward(self, *args: Any, **kwargs: Any):
-        with self._bounded(f"the backward of {self._step_name()}"):
+        with self._bounded("backward"):
             return super().backward(*args, **kwargs)
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any):
-        with self._bounded(f"the optimizer step of {self._step_name()}"):  # its closure: forward and backward
+        with self._bounded("optimizer step"):  # its closure: forward and backward
             out = super().optimizer_step(*args, **kwargs)
         if self._preemption is not None:
             self._preemption.after_optimizer_step()
         return out
 
     @override
+    def validation_step(self, *args: Any, **kwargs: Any):
+        progress.report(self._step(), "validation")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        progress.report(self._step(), "checkpoint save")
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
-        with self._bounded(f"the barrier {name!r}" if name else "a barrier"):
+        with self._bounded(f"barrier {name!r}" if name else "barrier",
+                           f"the barrier {name!r}" if name else "a barrier"):
             super().barrier(name)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self._bounded(f"a broadcast from rank {src} (a checkpoint's path, a decision)"):
+        with self._bounded("broadcast", f"a broadcast from rank {src} (a checkpoint's path, a decision)"):
             return super().broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        with self._bounded("the reduction of logged values (sync_dist) or a decision"):
+        with self._bounded("reduce", "the reduction of logged values (sync_dist) or a decision"):
             return super().reduce(tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        with self._bounded("an all_gather"):
+        with self._bounded("all_gather", "an all_gather"):
             return super().all_gather(tensor, group, sync_grads)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        """Lightning's handling of an exception in a run; the other ranks learn from the progress board that this
+        rank stopped on an error of its own (not for ``PeerLostError`` and the preemption stop)."""
+        board = progress.board()
+        if board is not None and not isinstance(exception, (peers.PeerLostError, SystemExit)):
+            board.announce("error", f"{type(exception).__name__}: {str(exception)[:200]}")
         super().on_exception(exception)
         if self._preemption is not None:
             self._preemption.on_exception(exception)
@@ -205,5 +231,5 @@ class FaultsMixin:
         preemption, self._preemption = self._preemption, None
         if preemption is not None:
             preemption.detach()
-        peers.stop_watch()
+        progress.close_board()
         super().teardown()

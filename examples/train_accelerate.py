@@ -26,6 +26,11 @@ GPUs of one machine::
     accelerate launch --config_file configs/accelerate/gpu_1node.yaml examples/train_accelerate.py \
         --config configs/gpt_small.yaml
 
+``--checkpoint-dir DIR``: on SIGTERM (under SLURM also SIGUSR1) to any process, every process stops after the same
+optimizer step (``accelerator.check_preemption()``), saves the state to ``DIR`` (``save_state``) and the run exits
+with 128 + signal (143); a run started with a ``DIR`` holding a state resumes from it (``load_state``, then the
+batches of the epoch not yet taken). ``CUDAGraphAccelerator`` only.
+
 ``--out FILE`` (rank 0) saves a ``torch.save`` dict: ``losses`` (one list of per-rank losses per
 micro-batch), ``grad_norms`` (total gradient norm before clipping, per optimizer step, when clipping),
 ``state`` (final state_dict), ``stats`` (graph counters, ``None`` with ``--eager``) and ``run``
@@ -72,6 +77,8 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=None, help="print the loss every N steps "
                     "(default: trainer.log_every_n_steps)")
     ap.add_argument("--out", default=None, help="rank 0 saves losses, final weights and graph counters here")
+    ap.add_argument("--checkpoint-dir", default=None, help="on SIGTERM save the state here and exit with 143; "
+                    "resume from it when it holds a state (not with --eager)")
     args, config_args = ap.parse_known_args(argv)
     if not any(a in ("-c", "--config") or a.startswith("--config=") for a in config_args):
         config_args = ["--config", os.path.join(ROOT, "configs", "gpt_tiny.yaml"), *config_args]
@@ -132,6 +139,9 @@ def main(argv=None) -> None:
     clip = cfg.gradient_clip_val
     log_every = args.log_every or cfg.log_every_n_steps or 10
     eager = args.eager or not isinstance(strategy, cg_lightning.CUDAGraphDDPStrategy)
+    if eager and args.checkpoint_dir:
+        raise SystemExit("--checkpoint-dir needs CUDAGraphAccelerator (its check_preemption); it does not go with "
+                         "--eager or a strategy other than cudagraph_ddp")
 
     common = dict(
         cpu=args.cpu or cfg.accelerator == "cpu" or not torch.cuda.is_available(),
@@ -162,11 +172,18 @@ def main(argv=None) -> None:
         f"clip={clip}, {max_steps} steps"
     )
 
+    taken = 0  # micro-batches a preempted run took before this one
+    if args.checkpoint_dir and os.path.isdir(args.checkpoint_dir):
+        accelerator.load_state(args.checkpoint_dir)  # weights, optimizer, scheduler, RNG; accelerator.step
+        taken = accelerator.step
+        accelerator.print(f"resumed from {args.checkpoint_dir} after {taken // accumulation} steps")
+
     model.train()
     losses, grad_norms = [], []
-    step, start, window = 0, time.perf_counter(), []
+    step, start, window = taken // accumulation, time.perf_counter(), []
+    skip = taken % len(loader)
     while step < max_steps:
-        for x, y in loader:
+        for x, y in accelerator.skip_first_batches(loader, skip) if skip else loader:
             with accelerator.accumulate(model):
                 logits = model(x)
                 loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
@@ -188,10 +205,15 @@ def main(argv=None) -> None:
             step += 1
             if step % log_every == 0 or step == max_steps:
                 accelerator.print(f"step {step:5d}  loss {sum(window) / len(window):.4f}  "
-                                  f"{(time.perf_counter() - start) / step * 1000:.0f} ms/step")
+                                  f"{(time.perf_counter() - start) / (step - taken // accumulation) * 1000:.0f} "
+                                  "ms/step")
                 window = []
+            if args.checkpoint_dir and accelerator.check_preemption():  # every process, after each optimizer step
+                accelerator.save_state(args.checkpoint_dir)
+                accelerator.exit_preempted()  # end_training, then exit with 128 + signal
             if step >= max_steps:
                 break
+        skip = 0
 
     stats = getattr(model, "graph_stats", None)
     if accelerator.is_main_process and args.out:

@@ -1,4 +1,5 @@
-"""Run launcher commands (torchrun, several "nodes") from tests: clean environment, timeouts, no orphans.
+"""Run launcher commands (torchrun, several "nodes") from tests: clean environment, timeouts, no orphans; and
+Lightning jobs of ``tests/scripts/faults_job.py`` forked from one process (:class:`Jobs`).
 
 Every command is started in its own session, and its descendants are recorded while it runs (torchrun
 starts each worker in a session of its own, so killing the launcher's group would not reach them, and a
@@ -9,12 +10,13 @@ pid; when one "node" fails, the others are killed too instead of being left wait
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from tests.helpers import ROOT, free_port, subprocess_env
 
@@ -141,3 +143,81 @@ def run_all(commands: Sequence[Sequence[str]], log_dir: str, timeout: float) -> 
         details = "\n".join(f"--- {' '.join(map(str, cmd))}\n{_tail(path)}" for cmd, path in zip(commands, logs))
         raise AssertionError(f"{failure}\n{details}")
     return [_tail(path, 200_000) for path in logs]
+
+
+FAULTS_JOB = os.path.join(ROOT, "tests", "scripts", "faults_job.py")
+
+
+class Jobs:
+    """Jobs of ``faults_job.py`` (two processes each; ``--devices N`` in a job's arguments: N, ``--devices 1`` one
+    process, Lightning's own rank 0), all ranks forked from one process that imported torch and Lightning once
+    (``--fork``). ``jobs``: name -> (output folder, arguments); rank ``r`` of a job logs to ``out/rank{r}.log``;
+    every job gets ``--timeout-s timeout_s``."""
+
+    def __init__(self, spec_dir, timeout_s: float, jobs: Dict[str, Tuple[object, List[str]]]) -> None:
+        ranks = []
+        for name, (out, args) in jobs.items():
+            port = str(free_port())
+            nproc = int(args[args.index("--devices") + 1]) if "--devices" in args else 2
+            for r in range(nproc):
+                env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                if nproc > 1:
+                    env.update(WORLD_SIZE=str(nproc), NODE_RANK="0", LOCAL_RANK=str(r))
+                argv = ["--out", str(out), "--timeout-s", str(timeout_s), *args]
+                ranks.append(dict(env=env, argv=argv, log=os.path.join(out, f"rank{r}.log"), job=name, rank=r))
+        self.ranks = ranks
+        self.spec = os.path.join(spec_dir, f"fork{free_port()}.json")
+        with open(self.spec, "w") as f:
+            json.dump(ranks, f)
+        self.launcher = subprocess.Popen([sys.executable, FAULTS_JOB, "--fork", self.spec], cwd=ROOT, env=clean_env())
+        self.pids: Dict[Tuple[str, int], int] = {}
+        deadline = time.monotonic() + 60
+        while len(self.pids) < len(ranks):
+            assert time.monotonic() < deadline and self.launcher.poll() is None, "the launcher did not fork"
+            time.sleep(0.05)
+            if os.path.exists(self.spec + ".pids"):
+                with open(self.spec + ".pids") as f:
+                    pids = [int(line) for line in f.read().split()]
+                self.pids = {(r["job"], r["rank"]): pid for r, pid in zip(ranks, pids)}
+
+    def exits(self) -> Dict[Tuple[str, int], Tuple[int, float]]:
+        """(job, rank) -> (exit status, time.time() of the exit), for the ranks that ended."""
+        by_pid = {pid: key for key, pid in self.pids.items()}
+        out = {}
+        if os.path.exists(self.spec + ".exits"):
+            with open(self.spec + ".exits") as f:
+                for line in f.read().splitlines():
+                    pid, status, when = line.split()
+                    out[by_pid[int(pid)]] = (int(status), float(when))
+        return out
+
+    def wait(self, keys, seconds: float) -> Dict[Tuple[str, int], Tuple[int, float]]:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not set(keys) <= set(self.exits()):
+            time.sleep(0.1)
+        return self.exits()
+
+    def signal(self, job: str, signum: int) -> None:
+        for (name, _), pid in self.pids.items():
+            if name == job:
+                os.kill(pid, signum)
+
+    def kill(self) -> None:
+        ended = self.exits()
+        for key, pid in self.pids.items():
+            if key not in ended:
+                try:
+                    os.kill(pid, signal.SIGKILL)  # ends a stopped process too
+                except ProcessLookupError:
+                    pass
+        try:
+            self.launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.launcher.kill()
+            self.launcher.wait(timeout=10)
+
+
+def job_log(out, rank: int) -> str:
+    """Rank ``rank``'s log of a :class:`Jobs` job writing to ``out``."""
+    with open(os.path.join(out, f"rank{rank}.log"), errors="replace") as f:
+        return f.read()

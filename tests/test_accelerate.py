@@ -573,13 +573,17 @@ def test_end_training_keeps_exposed_gradients_and_none_as_plain(fresh_accelerate
 
 
 def test_overridden_accelerate_methods_are_marked():
-    """Every ``Accelerator`` / ``AcceleratedOptimizer`` method the integration overrides is marked ``@override``."""
+    """Every ``Accelerator`` / ``AcceleratedOptimizer`` method the integration overrides (its faults mixin's too) is
+    marked ``@override``."""
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
 
     from cg_lightning.accelerate import CUDAGraphAccelerator, GradBufferOptimizer
+    from cg_lightning.accelerate.faults import AccelerateFaultsMixin
 
-    for cls, base in ((CUDAGraphAccelerator, Accelerator), (GradBufferOptimizer, AcceleratedOptimizer)):
+    pairs = ((CUDAGraphAccelerator, Accelerator), (AccelerateFaultsMixin, Accelerator),
+             (GradBufferOptimizer, AcceleratedOptimizer))
+    for cls, base in pairs:
         names = [n for n, v in vars(cls).items() if n != "__init__" and callable(v) and hasattr(base, n)]
         assert names
         for name in names:

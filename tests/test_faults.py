@@ -11,101 +11,21 @@ Each job is two processes of ``tests/scripts/faults_job.py`` started as a cluste
   one-process run stops the same way.
 
 The ranks of all jobs of a test are forked from one process that imported torch and Lightning once
-(:class:`Jobs`), so that several jobs start in the time of one import on CI's two cores.
+(:class:`tests.launchers.Jobs`), so that several jobs start in the time of one import on CI's two cores.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
 
-from tests.helpers import ROOT, free_port
-from tests.launchers import clean_env
+from tests.launchers import Jobs, job_log as _log
 
-JOB = os.path.join(ROOT, "tests", "scripts", "faults_job.py")
 TIMEOUT_S = 3.0
-
-
-class Jobs:
-    """Two-process jobs of ``faults_job.py``, all ranks forked from one process that imported torch and Lightning
-    once (``--fork``). ``jobs``: name -> (output folder, arguments); rank ``r`` of a job logs to ``out/rank{r}.log``."""
-
-    def __init__(self, spec_dir, jobs: Dict[str, Tuple[object, List[str]]]) -> None:
-        ranks = []
-        for name, (out, args) in jobs.items():
-            port = str(free_port())
-            nproc = 1 if "--devices" in args else 2  # "--devices 1": one process, Lightning's own rank 0
-            for r in range(nproc):
-                env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-                if nproc > 1:
-                    env.update(WORLD_SIZE=str(nproc), NODE_RANK="0", LOCAL_RANK=str(r))
-                argv = ["--out", str(out), "--timeout-s", str(TIMEOUT_S), *args]
-                ranks.append(dict(env=env, argv=argv, log=os.path.join(out, f"rank{r}.log"), job=name, rank=r))
-        self.ranks = ranks
-        self.spec = os.path.join(spec_dir, f"fork{free_port()}.json")
-        with open(self.spec, "w") as f:
-            json.dump(ranks, f)
-        self.launcher = subprocess.Popen([sys.executable, JOB, "--fork", self.spec], cwd=ROOT, env=clean_env())
-        self.pids: Dict[Tuple[str, int], int] = {}
-        deadline = time.monotonic() + 60
-        while len(self.pids) < len(ranks):
-            assert time.monotonic() < deadline and self.launcher.poll() is None, "the launcher did not fork"
-            time.sleep(0.05)
-            if os.path.exists(self.spec + ".pids"):
-                with open(self.spec + ".pids") as f:
-                    pids = [int(line) for line in f.read().split()]
-                self.pids = {(r["job"], r["rank"]): pid for r, pid in zip(ranks, pids)}
-
-    def exits(self) -> Dict[Tuple[str, int], Tuple[int, float]]:
-        """(job, rank) -> (exit status, time.time() of the exit), for the ranks that ended."""
-        by_pid = {pid: key for key, pid in self.pids.items()}
-        out = {}
-        if os.path.exists(self.spec + ".exits"):
-            with open(self.spec + ".exits") as f:
-                for line in f.read().splitlines():
-                    pid, status, when = line.split()
-                    out[by_pid[int(pid)]] = (int(status), float(when))
-        return out
-
-    def wait(self, keys, seconds: float) -> Dict[Tuple[str, int], Tuple[int, float]]:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not set(keys) <= set(self.exits()):
-            time.sleep(0.1)
-        return self.exits()
-
-    def signal(self, job: str, signum: int) -> None:
-        for (name, _), pid in self.pids.items():
-            if name == job:
-                os.kill(pid, signum)
-
-    def kill(self) -> None:
-        ended = self.exits()
-        for key, pid in self.pids.items():
-            if key not in ended:
-                try:
-                    os.kill(pid, signal.SIGKILL)  # ends a stopped process too
-                except ProcessLookupError:
-                    pass
-        try:
-            self.launcher.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.launcher.kill()
-            self.launcher.wait(timeout=10)
-
-
-def _log(out, rank: int) -> str:
-    with open(os.path.join(out, f"rank{rank}.log"), errors="replace") as f:
-        return f.read()
-
-
 PHASES = ["warmup", "replay", "validation", "checkpoint"]
 
 
@@ -115,7 +35,7 @@ def test_a_stopped_rank_ends_the_other_with_a_named_error_in_every_phase(tmp_pat
     dirs = {phase: tmp_path / phase for phase in PHASES}
     for d in dirs.values():
         d.mkdir()
-    jobs = Jobs(tmp_path, {phase: (dirs[phase], ["--stop", phase]) for phase in PHASES})
+    jobs = Jobs(tmp_path, TIMEOUT_S, {phase: (dirs[phase], ["--stop", phase]) for phase in PHASES})
     try:
         ended = jobs.wait([(phase, 0) for phase in PHASES], 150)
     finally:
@@ -139,8 +59,9 @@ def test_sigterm_saves_the_last_completed_step_and_the_resume_is_exact(tmp_path)
     for d in (ref_dir, run_dir, res_dir, one_dir):
         d.mkdir()
     interrupted_args = ["--steps", "200", "--step-sleep", "0.1", "--tag", "_interrupted"]
-    jobs = Jobs(tmp_path, {"reference": (ref_dir, ["--steps", str(total)]), "run": (run_dir, interrupted_args),
-                           "one": (one_dir, [*interrupted_args, "--devices", "1"])})
+    jobs = Jobs(tmp_path, TIMEOUT_S, {"reference": (ref_dir, ["--steps", str(total)]),
+                                      "run": (run_dir, interrupted_args),
+                                      "one": (one_dir, [*interrupted_args, "--devices", "1"])})
     try:
         deadline = time.monotonic() + 120
         sent = {}
@@ -175,7 +96,7 @@ def test_sigterm_saves_the_last_completed_step_and_the_resume_is_exact(tmp_path)
     assert torch.load(one_dir / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == one["global_step"]
     assert len(one["losses"]) == one["global_step"] >= 3
 
-    jobs = Jobs(tmp_path, {"resumed": (res_dir, ["--steps", str(total), "--ckpt-path", str(ckpt)])})
+    jobs = Jobs(tmp_path, TIMEOUT_S, {"resumed": (res_dir, ["--steps", str(total), "--ckpt-path", str(ckpt)])})
     try:
         ended = jobs.wait([("resumed", 0), ("resumed", 1)], 120)
     finally:

@@ -83,3 +83,40 @@ def test_public_fallbacks_match_the_private_paths():
     assert not torch_compat.saved_tensor_hooks_active()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert torch_compat.saved_tensor_hooks_active()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_bounded_store_client_gives_up_on_a_stopped_store_host():
+    """A plain TCPStore client waits for good on a store host that is stopped (SIGSTOP); this one raises within
+    about its timeout, so the progress board never hangs reading (``cg_lightning/ddp/progress.py``)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import free_port
+
+    port = free_port()
+    code = (f"import datetime, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', {port}, is_master=True, "
+            "wait_for_workers=False, timeout=datetime.timedelta(seconds=60)); s.set('k', 'v'); time.sleep(60)")
+    host = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client = torch_compat.bounded_store_client("127.0.0.1", port, 1.0)
+                break
+            except Exception:
+                assert time.monotonic() < deadline and host.poll() is None
+                time.sleep(0.2)
+        assert client.check(["k"]) and client.get("k") == b"v"
+        os.kill(host.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(Exception, match="Timeout"):
+            client.check(["k"])
+        assert time.monotonic() - start < 3
+    finally:
+        host.kill()
+        host.wait(timeout=10)

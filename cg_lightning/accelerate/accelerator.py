@@ -26,6 +26,8 @@ point for a data-parallel engine, so, like other libraries that bring their own 
   parameters' all-gather after ``optimizer.step()`` runs on into the next forward of the prepared model, whose
   modules wait for it, as do ``state_dict()``, ``load_state_dict()``, the next step and the end of training;
   :meth:`~CUDAGraphAccelerator.wait_for_params` before reading parameter values otherwise in between.
+* faults (:mod:`.faults`): collectives bounded by ``ddp.timeout_s`` that name the rank at fault; ``check_preemption``
+  and ``exit_preempted`` for a stop on SIGTERM agreed by every process.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from accelerate import Accelerator
@@ -46,12 +48,13 @@ from ..lifecycle import apply_graphs
 from ..optim.sharded_optimizer import clip_grad_norm_
 from ..options import as_options
 from .engine import GraphedDataParallel
+from .faults import AccelerateFaultsMixin
 from .optimizer import GradBufferOptimizer
 
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
-class CUDAGraphAccelerator(Accelerator):
+class CUDAGraphAccelerator(AccelerateFaultsMixin, Accelerator):
     """``accelerate.Accelerator`` with per-layer CUDA graphs and the exact ``main_grad`` DDP engine.
 
     Args:
@@ -61,6 +64,8 @@ class CUDAGraphAccelerator(Accelerator):
             (``"cuda"`` on GPUs, ``"eager"`` on CPUs, ``"auto"``), ``shape_policy``.
         ddp: :class:`~cg_lightning.ddp.DDPOptions` or a dict: ``bucket_size_mb`` (MiB), ``average``,
             ``grad_dtype``, ``timeout_s`` (seconds), ``check_grad_ready``.
+        preemption_signals: the signals :meth:`check_preemption` reports (default: SIGTERM, and SIGUSR1 under
+            SLURM).
         *args, **kwargs: ``accelerate.Accelerator`` arguments (``mixed_precision``,
             ``gradient_accumulation_steps``, ``cpu``, ...). Launch settings come from ``accelerate
             launch`` or ``torchrun`` as usual.
@@ -78,8 +83,10 @@ class CUDAGraphAccelerator(Accelerator):
         *args: Any,
         graphs: Union[GraphOptions, Dict[str, Any], None] = None,
         ddp: Union[DDPOptions, Dict[str, Any], None] = None,
+        preemption_signals: Optional[Sequence[int]] = None,
         **kwargs: Any,
     ) -> None:
+        self.preemption_signals = preemption_signals
         self.graph_options = as_options(GraphOptions, graphs, "graphs")
         self.ddp_options = as_options(DDPOptions, ddp, "ddp")
         for name, what in (("capture_optimizer", "the optimizer step runs eagerly"),
@@ -156,6 +163,7 @@ class CUDAGraphAccelerator(Accelerator):
         self._models[self._models.index(model)] = engine
         engine._is_accelerate_prepared = True
         self._graph_engines.append(engine)
+        self._start_faults()
         return engine
 
     @override
@@ -254,6 +262,7 @@ class CUDAGraphAccelerator(Accelerator):
 
         Raises:
             GradSyncError: a parameter did not report its gradient on some rank (named in the message).
+            PeerLostError: another rank is gone or silent past ``ddp.timeout_s`` (named in the message).
         """
         active = [engine for engine in self._graph_engines if engine.start_backward(loss)]
         for engine in self._graph_engines:
@@ -275,22 +284,24 @@ class CUDAGraphAccelerator(Accelerator):
                     "param.grad at them, and the optimizer step would change nothing. Call the prepared model, "
                     "once per backward, in training steps."
                 )
-        for engine in active:
-            if not engine.reached:
-                # the loss did not depend on this model's forward (a GAN generator's detached output in the
-                # discriminator's loss): its micro-batch waits for a backward that reaches it
-                engine.defer_backward()
-                continue
-            engine.finish_backward(completes_step=self.sync_gradients)
-            summary = engine.driver.capture_summary()
-            if summary is not None:
-                self.print(str(summary))
+        with self._bounded("backward"):  # the engines' waits: the grad-ready agreement, the buckets' all-reduce
+            for engine in active:
+                if not engine.reached:
+                    # the loss did not depend on this model's forward (a GAN generator's detached output in the
+                    # discriminator's loss): its micro-batch waits for a backward that reaches it
+                    engine.defer_backward()
+                    continue
+                engine.finish_backward(completes_step=self.sync_gradients)
+                summary = engine.driver.capture_summary()
+                if summary is not None:
+                    self.print(str(summary))
 
     @override
     def free_memory(self, *objects):
         """Accelerate's ``free_memory``; also releases the engines (``GraphedDataParallel.release``): their
         models train as if never prepared again (hooks and graphs removed; ``prepare`` wraps them anew)."""
         self._release_engines()
+        self._stop_faults()
         objects = super().free_memory(*objects)
         gc.collect()  # an engine and its grad hooks form a reference cycle; Accelerate collects too early
         return objects
@@ -300,6 +311,7 @@ class CUDAGraphAccelerator(Accelerator):
         """Accelerate's ``end_training``; first releases the engines, as :meth:`free_memory` does, so a backward
         through the model after training (``accelerator.unwrap_model(model)``) fills ``param.grad`` again."""
         self._release_engines()
+        self._stop_faults()
         super().end_training()
 
     def _release_engines(self) -> None:

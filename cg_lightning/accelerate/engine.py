@@ -34,7 +34,7 @@ import torch.nn as nn
 from typing_extensions import override
 
 from .. import protocol
-from ..ddp import DataParallelEngine, DDPOptions
+from ..ddp import DataParallelEngine, DDPOptions, progress
 from ..graphs import GraphManager, GraphStats
 from ..lifecycle import TrainingDriver, capture_stream
 
@@ -114,6 +114,7 @@ class GraphedDataParallel(DataParallelEngine):
         forward (buffers broadcast from rank 0 when due, ``ddp.broadcast_buffers``; then the module)."""
         if not self.driver.micro_batch_open and torch.is_grad_enabled():
             self.driver.begin_micro_batch()
+            progress.report(self.driver.completed_steps, "forward")
         return super().forward(*args, **kwargs)
 
     # ----------------------------------------------------------------- backward

@@ -16,6 +16,8 @@ from typing import Callable, Iterable
 from accelerate.optimizer import AcceleratedOptimizer
 from typing_extensions import override
 
+from ..ddp import progress
+from ..ddp.peers import peer_errors
 from ..optim.step_graph import step_replaced
 from .engine import GraphedDataParallel
 
@@ -48,7 +50,12 @@ class GradBufferOptimizer(AcceleratedOptimizer):
         for engine in engines:
             engine.check_ready_for_step()
         sharded = [engine.driver.shard_optimizer(self.optimizer) for engine in engines if engine.shards is not None]
-        with step_replaced(self.optimizer, sharded[0].step) if sharded else contextlib.nullcontext():
+        bounded = contextlib.nullcontext()
+        if engines:  # bounds the all-gather of ddp.distributed_optimizer
+            step = max(engines[0].steps - 1, 0)  # the backward that completed this step counted it
+            progress.report(step, "optimizer step")
+            bounded = peer_errors(f"the optimizer step of step {step}", engines[0].options.timeout_s)
+        with bounded, step_replaced(self.optimizer, sharded[0].step) if sharded else contextlib.nullcontext():
             out = super().step(closure)  # ddp.distributed_optimizer: this rank's shard, then the all-gather
         for engine in engines:
             engine.after_optimizer_step()

@@ -8,14 +8,18 @@ the same step however the signal reached them. A process that stopped this way e
 :func:`exit_status`: ``128 + signal number`` (143 for SIGTERM, 138 for SIGUSR1 on Linux), what a shell reports
 for a process the signal ended, so schedulers and wrappers see "interrupted", never success.
 
+:class:`SignalStop` installs handlers that only note the signals, for front-ends whose framework has none of its
+own (the Accelerate integration); Lightning's signal connector keeps installing its own.
+
 Imports only torch (and the engine's peer errors).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import signal
-from typing import Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,3 +94,45 @@ def control_group(timeout_s: float) -> Optional[object]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def default_signals() -> Sequence[int]:
+    """SIGTERM, which schedulers send before they kill a job, and under SLURM (``SLURM_JOB_ID`` set) also SIGUSR1,
+    its usual early warning (``#SBATCH --signal=SIGUSR1@90``; Lightning's default requeue signal)."""
+    return (signal.SIGTERM, signal.SIGUSR1) if "SLURM_JOB_ID" in os.environ else (signal.SIGTERM,)
+
+
+class SignalStop:
+    """Handlers for ``signals`` that only note them in :attr:`request`, installed until :meth:`close`.
+
+    Args:
+        signals: signal numbers (:func:`default_signals`).
+        timeout_s: bounds the agreement (``ddp.timeout_s``).
+
+    Creating one is a collective when there are several processes (the agreement's gloo group).
+
+    Raises:
+        RuntimeError: not in the main thread (Python installs signal handlers there only).
+    """
+
+    def __init__(self, signals: Sequence[int], timeout_s: float) -> None:
+        self._previous: Dict[int, object] = {}
+        self.request = StopRequest(None, timeout_s)
+        try:
+            for signum in signals:
+                self._previous[int(signum)] = signal.signal(signum, self.request.note)
+        except ValueError as exc:  # "signal only works in main thread of the main interpreter"
+            self.close()
+            raise RuntimeError(f"cg_lightning: signal handlers for preemption are installed from the main thread "
+                               f"only ({exc})") from exc
+        self.request.group = control_group(timeout_s)
+
+    def close(self) -> None:
+        """Give the signals their previous handlers back and destroy the agreement's group."""
+        for signum, handler in self._previous.items():
+            try:
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: installed from C
+            except ValueError:  # not the main thread
+                pass
+        self._previous = {}
+        self.request.close()

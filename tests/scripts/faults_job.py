@@ -1,4 +1,5 @@
-"""One rank of a two-process (``--devices 1``: a one-process) fit of the example GPT under ``cudagraph_ddp``, for ``tests/test_faults.py``.
+"""One rank of a two-process fit (``--devices N``: N processes) of the example GPT under ``cudagraph_ddp``, for
+``tests/test_faults.py`` and ``tests/test_faults_ranks.py``.
 
 Started once per rank as a cluster launcher starts processes (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT`` in the environment; Lightning then creates no processes of its own). The run:
@@ -6,9 +7,12 @@ eager backend, ``warmup_steps=2`` (steps 0 and 1 eager, capture in step 2, repla
 steps (2 batches, ``val_loss`` reduced with ``sync_dist``), a ``ModelCheckpoint`` every 3 steps, ``hpc``
 checkpoints in ``--out``.
 
-* ``--stop PHASE``: rank 1 writes the time to ``OUT/stopped`` and stops itself (SIGSTOP) in that phase:
-  ``warmup`` (start of step 1), ``replay`` (start of step 4), ``validation`` (first validation batch),
-  ``checkpoint`` (inside the first checkpoint's ``on_save_checkpoint``).
+* ``--stop PHASE``: rank ``--victim`` (default 1) writes the time to ``OUT/stopped`` and stops itself (SIGSTOP;
+  ``--kill``: SIGKILL; ``--error``: raises ``ValueError``) in that phase: ``warmup`` (start of step 1), ``replay``
+  (start of step 4), ``validation`` (first validation batch), ``checkpoint`` (inside the first checkpoint's
+  ``on_save_checkpoint``).
+* ``--lag S``: rank ``--lag-rank`` (default 0) sleeps S s where the victim stops (it reaches the next collective S s
+  later than the others).
 * ``--step-sleep S``: every rank sleeps ``S`` s after each batch and writes its step to ``OUT/step{rank}`` (the test
   sends SIGTERM to the whole job while it trains).
 * Rank 0 writes ``OUT/result{tag}.pt`` however ``fit`` ends: ``losses`` (one per batch taken), ``state`` (the
@@ -46,15 +50,21 @@ DATA = dict(block_size=16, batch_size=4, max_bytes=60 * 17, val_fraction=0.2)  #
 class Faults(Callback):
     """Records losses; stops rank 1 in the chosen phase; sleeps and reports progress after each batch."""
 
-    def __init__(self, out: str, stop: str, step_sleep: float) -> None:
-        self.out, self.stop, self.step_sleep = out, stop, step_sleep
+    def __init__(self, out: str, stop: str, step_sleep: float, victim: int = 1, how: str = "stop",
+                 lag: float = 0.0, lag_rank: int = 0) -> None:
+        self.out, self.stop, self.step_sleep, self.victim, self.how = out, stop, step_sleep, victim, how
+        self.lag, self.lag_rank = lag, lag_rank
         self.losses = []
 
     def _stop_here(self, trainer, phase: str) -> None:
-        if self.stop == phase and trainer.global_rank == 1:
+        if self.stop == phase and self.lag and trainer.global_rank == self.lag_rank:
+            time.sleep(self.lag)
+        if self.stop == phase and trainer.global_rank == self.victim:
             with open(os.path.join(self.out, "stopped"), "w") as f:
                 f.write(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGSTOP)
+            if self.how == "error":
+                raise ValueError("a bad batch (on purpose)")
+            os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == {"warmup": 1, "replay": 4}.get(self.stop):
@@ -81,6 +91,11 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--timeout-s", type=float, default=3.0)
     ap.add_argument("--stop", default="none", choices=["none", "warmup", "replay", "validation", "checkpoint"])
+    ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--kill", dest="how", action="store_const", const="kill", default="stop")
+    ap.add_argument("--error", dest="how", action="store_const", const="error")
+    ap.add_argument("--lag", type=float, default=0.0)
+    ap.add_argument("--lag-rank", type=int, default=0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--ckpt-path", default=None)
     ap.add_argument("--devices", type=int, default=2)
@@ -88,7 +103,7 @@ def main(argv=None) -> None:
 
     seed_everything(7, workers=True)
     model = GPTLightningModule(**MODEL)
-    faults = Faults(a.out, a.stop, a.step_sleep)
+    faults = Faults(a.out, a.stop, a.step_sleep, a.victim, a.how, a.lag, a.lag_rank)
     strategy = cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "backend": "eager"},
                                                  ddp={"timeout_s": a.timeout_s})
     trainer = Trainer(
