@@ -113,6 +113,11 @@ def test_bounded_store_client_gives_up_on_a_stopped_store_host():
                 time.sleep(0.2)
         assert client.check(["k"]) and client.get("k") == b"v"
         os.kill(host.pid, signal.SIGSTOP)
+        stopped_by = time.monotonic() + 10  # the signal takes effect a little later: the store may answer once more
+        while any(open(f"/proc/{host.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] != "T"
+                  for t in os.listdir(f"/proc/{host.pid}/task")):  # every thread, the store's server thread too
+            assert time.monotonic() < stopped_by, "the store host did not stop"
+            time.sleep(0.05)
         start = time.monotonic()
         with pytest.raises(Exception, match="Timeout"):
             client.check(["k"])
