@@ -237,20 +237,34 @@ def _compare_whole_step(name, fit, precision, graphs=None, expect_replays=True):
     return strategy, got
 
 
-_LLAMA_BF16_OPEN = pytest.mark.xfail(strict=True, reason=(
-    "open: the Llama under bf16-mixed differs from \"ddp\" from the first replay on (loss 4e-5 at step 3, weights "
-    "1.7e-3 relative after 8 steps; tied or untied head alike), while fp32 and GPT-2, resnet18 and the Lightning "
-    "model under bf16-mixed are bit-exact"))
+def _transformers_before(version: str) -> bool:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from packaging.version import Version
+
+    try:
+        return Version(installed("transformers")) < Version(version)
+    except PackageNotFoundError:
+        return False
+
+
+# transformers before 5.18 builds an explicit causal mask while a stream captures (masking_utils'
+# _ignore_causal_mask_sdpa under is_tracing()), so the captured step runs SDPA with that mask and repeat_kv'd keys, the
+# eager step is_causal=True with SDPA's grouped-query attention: equal in fp32, not in bf16 (docs/limitations.md).
+_CAPTURE_MASK = pytest.mark.xfail(_transformers_before("5.18"), strict=True, reason=(
+    "transformers < 5.18 takes another attention path while a stream captures; bf16 rounds it differently"))
 
 
 @pytest.mark.parametrize("model, precision", [
-    ("llama", "32-true"), pytest.param("llama", "bf16-mixed", marks=_LLAMA_BF16_OPEN), ("gpt2", "32-true"),
-    ("gpt2", "bf16-mixed"), ("resnet18", "32-true"), ("resnet18", "bf16-mixed"), ("parity", "32-true"),
-    ("parity", "bf16-mixed")])
+    ("llama", "32-true"), pytest.param("llama", "bf16-mixed", marks=_CAPTURE_MASK), ("llama-mha", "bf16-mixed"),
+    ("gpt2", "32-true"), ("gpt2", "bf16-mixed"), ("resnet18", "32-true"), ("resnet18", "bf16-mixed"),
+    ("parity", "32-true"), ("parity", "bf16-mixed")])
 def test_cuda_whole_step_equals_ddp(deterministic, model, precision):
     """graphs.whole_step: forward, loss, backward and gradient sync replayed from one graph per step, the optimizer
     step eager; weights bit-equal to ``"ddp"`` (resnet18: batch-norm buffers updated by the replays; the parity
-    model: logs in training_step and a step scheduler)."""
+    model: logs in training_step and a step scheduler; llama-mha: without grouped-query attention, equal on every
+    transformers release)."""
     if model == "resnet18":
         pytest.importorskip("torchvision")
         fit = _fit_resnet
@@ -261,6 +275,7 @@ def test_cuda_whole_step_equals_ddp(deterministic, model, precision):
 
         hf = pytest.importorskip("tests.hf_models")
         build = {"llama": lambda: hf.tiny_llama(attn_implementation="sdpa"),
+                 "llama-mha": lambda: hf.tiny_llama(attn_implementation="sdpa", num_key_value_heads=4),
                  "gpt2": lambda: hf.tiny_gpt2(attn_implementation="sdpa")}[model]
 
         def fit(strategy, p):
