@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from typing import Dict
 
 import pytest
@@ -160,14 +158,14 @@ def local_master() -> dict:
 
 
 def train_subprocess(out: str, *args: str, timeout: float = 240) -> dict:
-    """Run tests/scripts/train_parity.py (which may launch several processes); return its saved dict."""
-    env = subprocess_env(PYTHONPATH=ROOT, **local_master())
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--out", out, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"training script failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    """Run tests/scripts/train_parity.py (``--devices N``: N ranks, forked with torchrun's environment by the
+    session's rank server, :func:`tests.launchers.run_ranks`); return its saved dict."""
+    from tests.launchers import run_ranks
+
+    nproc = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
+    logs = os.path.abspath(out) + ".logs"
+    os.makedirs(logs, exist_ok=True)
+    run_ranks(SCRIPT, [(["--out", out, *args], nproc)], logs, timeout=timeout)
     return torch.load(out)
 
 

@@ -10,8 +10,10 @@ pid; when one "node" fails, the others are killed too instead of being left wait
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -143,6 +145,87 @@ def run_all(commands: Sequence[Sequence[str]], log_dir: str, timeout: float) -> 
         details = "\n".join(f"--- {' '.join(map(str, cmd))}\n{_tail(path)}" for cmd, path in zip(commands, logs))
         raise AssertionError(f"{failure}\n{details}")
     return [_tail(path, 200_000) for path in logs]
+
+
+RANK_SERVER = os.path.join(ROOT, "tests", "scripts", "rank_server.py")
+
+
+class _RankServer:
+    """The session's ``tests/scripts/rank_server.py``: started on first use, ended at exit (or after a request it
+    did not answer in time, to be started again by the next)."""
+
+    def __init__(self) -> None:
+        self.proc: Optional[subprocess.Popen] = None
+
+    def _start(self) -> subprocess.Popen:
+        self.proc = subprocess.Popen([sys.executable, RANK_SERVER], cwd=ROOT, env=clean_env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
+        atexit.register(self.close)
+        self._read(120, "start")
+        return self.proc
+
+    def _read(self, timeout: float, what: str) -> dict:
+        proc = self.proc
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            if sel.select(timeout):
+                line = proc.stdout.readline()
+                if line:
+                    return json.loads(line)
+        self.close()
+        raise AssertionError(f"the rank server did not answer ({what}) within {timeout:.0f} s")
+
+    def run(self, script: str, jobs: List[dict], timeout: float, grace: Optional[float] = None) -> dict:
+        proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
+        proc.stdin.write(json.dumps({"script": script, "jobs": jobs, "timeout": timeout, "grace": grace}) + "\n")
+        proc.stdin.flush()
+        return self._read(timeout + 60, os.path.basename(script))
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+
+_SERVER = _RankServer()
+
+
+def run_ranks(script: str, jobs: Sequence[Tuple[Sequence[str], int]], log_dir: str, timeout: float,
+              env: Optional[Dict[str, str]] = None, check: bool = True) -> List[str]:
+    """Run ``script`` as each job of ``jobs`` (``(argv, nproc)``) at once, every rank forked from the session's rank
+    server (one import of torch and Lightning for the whole session) with the environment torchrun gives its
+    workers (``MASTER_ADDR``/``MASTER_PORT`` of a free port per job, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` ...
+    when ``nproc > 1``) plus ``env``. Returns each job's log (its ranks' stdout and stderr together). A rank that
+    fails ends the other ranks of its job 10 s later, unless ``check`` is False (a test of failing ranks): then they
+    run until ``timeout`` and nothing is raised for exit statuses.
+
+    Raises:
+        AssertionError: (``check``) a rank exited non-zero, or the jobs were not done within ``timeout`` seconds
+            (every rank still running is killed first); the message holds the logs' tails.
+    """
+    specs, logs = [], []
+    for i, (argv, nproc) in enumerate(jobs):
+        log = os.path.join(log_dir, f"ranks{i}.log")
+        open(log, "w").close()
+        logs.append(log)
+        specs.append(dict(argv=[str(a) for a in argv], nproc=int(nproc), log=log,
+                          env=dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **(env or {}))))
+    answer = _SERVER.run(os.path.join(ROOT, script), specs, timeout, grace=None if check else timeout)
+    codes = answer["codes"]
+    if check and (answer["timed_out"] or any(c != 0 for job in codes for c in job)):
+        why = f"not done within {timeout:.0f} s" if answer["timed_out"] else f"exit codes {codes}"
+        details = "\n".join(f"--- {script} {' '.join(spec['argv'])}\n{_tail(log)}" for spec, log in zip(specs, logs))
+        raise AssertionError(f"{why}\n{details}")
+    return [_tail(log, 200_000) for log in logs]
 
 
 FAULTS_JOB = os.path.join(ROOT, "tests", "scripts", "faults_job.py")

@@ -1,7 +1,8 @@
 """``CUDAGraphAccelerator`` against plain ``accelerate.Accelerator`` (torch DDP) on the same script, seed and data.
 
 The script is ``examples/train_accelerate.py`` with the tiny GPT of the other parity tests; two processes
-are started by torchrun and join over gloo as Accelerate's MULTI_CPU. The eager graph backend replays the
+get torchrun's environment (forked by :func:`tests.launchers.run_ranks`) and join over gloo as Accelerate's
+MULTI_CPU. The eager graph backend replays the
 same kernels, so fp32 results agree to rounding (measured: identical).
 """
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import PARITY_MODEL, ROOT, WARMUP, max_rel_diff, state_rel_diff
-from tests.launchers import run_all, torchrun
+from tests.launchers import run_ranks
 
 SCRIPT = os.path.join(ROOT, "examples", "train_accelerate.py")
 TINY = [
@@ -26,15 +27,12 @@ N_LAYER = PARITY_MODEL["n_layer"]
 
 
 def _train_pair(tmp_path, *args: str, timeout: float = 150):
-    """The script twice under torchrun (2 processes): cg engine, then eager Accelerate. Returns both outputs."""
-    results = []
-    for mode in ("cg", "eager"):
-        out = str(tmp_path / f"{mode}.pt")
-        extra = ["--eager"] if mode == "eager" else []
-        log_dir = tmp_path / mode
-        log_dir.mkdir()
-        run_all([torchrun(SCRIPT, *TINY, *args, *extra, "--out", out)], str(log_dir), timeout=timeout)
-        results.append(torch.load(out))
+    """The script twice at once, 2 processes each (torchrun's environment, :func:`tests.launchers.run_ranks`): the
+    cg engine and eager Accelerate. Returns both outputs."""
+    jobs = [([*TINY, *args, *(["--eager"] if mode == "eager" else []), "--out", str(tmp_path / f"{mode}.pt")], 2)
+            for mode in ("cg", "eager")]
+    run_ranks(SCRIPT, jobs, str(tmp_path), timeout=timeout)
+    results = [torch.load(str(tmp_path / f"{mode}.pt")) for mode in ("cg", "eager")]
     cg, eager = results
     for r in results:
         assert r["run"]["distributed_type"] == "MULTI_CPU" and r["run"]["num_processes"] == 2, r["run"]
@@ -427,8 +425,9 @@ def test_two_process_buffers_broadcast(tmp_path):
     ranks reported different eval losses). Every rank equals plain Accelerate's same rank."""
     script = os.path.join(ROOT, "tests", "scripts", "accelerate_cases.py")
     out = {}
+    run_ranks(script, [([kind, "bn", str(tmp_path / kind)], 2) for kind in ("cg", "eager")], str(tmp_path),
+              timeout=240)
     for kind in ("cg", "eager"):
-        run_all([torchrun(script, kind, "bn", str(tmp_path / kind))], str(tmp_path), timeout=240)
         out[kind] = [torch.load(str(tmp_path / f"{kind}.rank{r}")) for r in (0, 1)]
     for rank in (0, 1):
         _assert_same_training(out["cg"][rank], out["eager"][rank], 0.0)

@@ -1,34 +1,33 @@
 """The DDP engine (:mod:`cg_lightning.ddp`). Across two processes (gloo): bucket overlap, missing gradients, a stuck
 rank, golden counts; in one process: gradient dtypes, counts and their errors, ``no_sync``, the gradient buffer.
 
-Each two-process case runs ``tests/scripts/engine_dist.py`` under ``torch.distributed.run`` with a subprocess timeout;
+Each two-process case runs ``tests/scripts/engine_dist.py`` with torchrun's environment (:func:`tests.launchers.run_ranks`)
+and a timeout;
 the engine's own timeout (``DDPOptions.timeout_s``) is 10 s there, so a hang would fail the test, not
 block CI.
 """
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
 from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
 from tests import engine_models as em
-from tests.helpers import ROOT, subprocess_env
-from tests.launchers import torchrun
+from tests.helpers import ROOT
+from tests.launchers import run_ranks
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "engine_dist.py")
 
 
 def _run(scenario: str, tmp_path, timeout: float = 120) -> list:
-    cmd = torchrun(SCRIPT, "--scenario", scenario, "--out", str(tmp_path), nproc=2)
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(PYTHONPATH=ROOT), capture_output=True, text=True,
-                          timeout=timeout)
+    (log,) = run_ranks(SCRIPT, [(["--scenario", scenario, "--out", str(tmp_path)], 2)], str(tmp_path), timeout,
+                       check=False)
     results = []
     for r in range(2):
         path = tmp_path / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote nothing ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        assert path.exists(), f"rank {r} wrote nothing:\n{log[-6000:]}"
         results.append(json.loads(path.read_text()))
     return results
 

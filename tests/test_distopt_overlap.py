@@ -89,15 +89,14 @@ def test_graph_manager_calls_before_graphed_reads(segments):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The script with 2 processes (every run), then with 4 (the driver runs only): the ranks' results."""
-    from tests.launchers import run_all, torchrun
+    from tests.launchers import run_ranks
 
-    out = {}
-    for nproc, extra in ((2, ()), (4, ("--short",))):
-        folder = tmp_path_factory.mktemp(f"overlap{nproc}")
-        script = "tests/scripts/distopt_overlap_dist.py"
-        run_all([torchrun(script, "--out", str(folder), *extra, nproc=nproc)], str(folder), timeout=150)
-        out[nproc] = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
-    return out
+    folders = {nproc: tmp_path_factory.mktemp(f"overlap{nproc}") for nproc in (2, 4)}
+    run_ranks("tests/scripts/distopt_overlap_dist.py",
+              [(["--out", str(folders[2])], 2), (["--out", str(folders[4]), "--short"], 4)], str(folders[2]),
+              timeout=150)
+    return {nproc: [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+            for nproc, folder in folders.items()}
 
 
 def _rel(a, b) -> float:

@@ -148,12 +148,12 @@ def test_checkpoint_files(tmp_path):
 @pytest.fixture(scope="module")
 def dist_runs(tmp_path_factory):
     """``fresh`` with 2 processes, then ``reshard`` with 4 (at most 240 s together); the results folder."""
-    from tests.launchers import run_all, torchrun
+    from tests.launchers import run_ranks
 
     out = tmp_path_factory.mktemp("distopt")
     script = "tests/scripts/distopt_dist.py"
-    run_all([torchrun(script, "--out", str(out), "--phase", "fresh", nproc=2)], str(out), timeout=120)
-    run_all([torchrun(script, "--out", str(out), "--phase", "reshard", nproc=4)], str(out), timeout=120)
+    run_ranks(script, [(["--out", str(out), "--phase", "fresh"], 2)], str(out), timeout=120)
+    run_ranks(script, [(["--out", str(out), "--phase", "reshard"], 4)], str(out), timeout=120)
     return out
 
 

@@ -238,14 +238,14 @@ DIST_SCENARIOS = ["fit", "accumulate_clip", "manual_accumulate", "manual_accumul
 
 @pytest.fixture(scope="module")
 def dist_runs(tmp_path_factory):
-    """Both sides of every two-process scenario: one torchrun launch of ``tests/scripts/lightning_parity_dist.py``
+    """Both sides of every two-process scenario: one two-process run of ``tests/scripts/lightning_parity_dist.py`` (torchrun's environment)
     (at most 200 s); maps side -> directory of per-scenario, per-rank results."""
-    from tests.launchers import run_all, torchrun
+    from tests.launchers import run_ranks
 
     out = tmp_path_factory.mktemp("dist")
     try:
-        run_all([torchrun("tests/scripts/lightning_parity_dist.py", "--out", str(out), *DIST_SCENARIOS)], str(out),
-                timeout=200)
+        run_ranks("tests/scripts/lightning_parity_dist.py", [(["--out", str(out), *DIST_SCENARIOS], 2)], str(out),
+                  timeout=200)
     except AssertionError as e:  # each scenario reports its own missing results
         (out / "launch.log").write_text(str(e))
     return {side: out / side for side in ("reference", "candidate")}

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 
 from cg_lightning.ddp import DataParallelEngine, DDPOptions, GradSyncError
-from tests.helpers import DIST_VARS, ROOT, free_port
+from tests.helpers import ROOT
+from tests.launchers import run_ranks
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "unused_dist.py")
 
@@ -37,9 +36,7 @@ def _check(results, graphs):
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_one_process_matches_plain_pytorch(graphs, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    cmd = [sys.executable, SCRIPT, "--out", str(tmp_path)] + (["--graphs"] if graphs else [])
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=120, capture_output=True)
+    run_ranks(SCRIPT, [(["--out", str(tmp_path)] + (["--graphs"] if graphs else []), 1)], str(tmp_path), timeout=120)
     _check([json.loads((tmp_path / "rank0.json").read_text())], graphs)
 
 
@@ -47,12 +44,10 @@ def test_one_process_matches_plain_pytorch(graphs, tmp_path):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("graphs", [False, True])
 def test_two_processes_match_torch_ddp_find_unused(graphs, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), SCRIPT, "--out", str(tmp_path)] + (["--graphs"] if graphs else [])
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    (log,) = run_ranks(SCRIPT, [(["--out", str(tmp_path)] + (["--graphs"] if graphs else []), 2)], str(tmp_path),
+                       timeout=200, check=False)
     paths = [tmp_path / f"rank{r}.json" for r in range(2)]
-    assert all(p.exists() for p in paths), proc.stderr[-3000:]
+    assert all(p.exists() for p in paths), log[-3000:]
     results = [json.loads(p.read_text()) for p in paths]
     _check(results, graphs)
     assert "rank0.lin.weight" not in results[1]["windows"][0]["none_got"]
