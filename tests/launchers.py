@@ -147,6 +147,32 @@ def run_all(commands: Sequence[Sequence[str]], log_dir: str, timeout: float) -> 
     return [_tail(path, 200_000) for path in logs]
 
 
+class StartedTogether:
+    """Commands of one test module that need fresh interpreters, all started at once by the first :meth:`result`
+    (each imports torch and Lightning, about 17 s of CPU: one after the other, a core would sit idle)."""
+
+    def __init__(self) -> None:
+        self.commands: Dict[str, Tuple[List[str], dict]] = {}
+        self.procs: Dict[str, subprocess.Popen] = {}
+
+    def add(self, name: str, cmd: Sequence[str], env: Optional[dict] = None) -> None:
+        self.commands[name] = (list(cmd), dict(env if env is not None else os.environ))
+
+    def result(self, name: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``name``'s exit status, stdout and stderr (text); killed after ``timeout`` seconds of waiting."""
+        if not self.procs:
+            self.procs = {key: subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE)
+                          for key, (cmd, env) in self.commands.items()}
+        proc = self.procs[name]
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 RANK_SERVER = os.path.join(ROOT, "tests", "scripts", "rank_server.py")
 
 

@@ -1,29 +1,36 @@
 """Layering that holds at run time: the engine packages load torch only, and ``import cg_lightning`` still
 registers the strategy with each Lightning package (``lightning.pytorch``, ``pytorch_lightning``), whichever is
-imported first. Each case runs in a fresh interpreter (what an earlier test imported would hide a violation)."""
+imported first. Each case runs in a fresh interpreter (what an earlier test imported would hide a violation); all of
+them start at once, on first use (each imports torch and Lightning: about 17 s of CPU), and each test reads its
+own."""
 
 import ast
 import importlib.util
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from tests.helpers import ROOT
+from tests.launchers import StartedTogether
 
 FRONT_ENDS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "omegaconf")
 TORCH_ONLY = ("graphs", "ddp", "optim")
 TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py", "option_checks.py", "collate.py")
 
 
-def _run(code: str) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+class _Interpreters(StartedTogether):
+    def add(self, name: str, code: str) -> None:
+        super().add(name, [sys.executable, "-c", textwrap.dedent(code)], dict(os.environ, PYTHONPATH=ROOT))
+
+    def output(self, name: str) -> str:
+        done = self.result(name)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+
+_INTERPRETERS = _Interpreters()
 
 
 _LOADED = """
@@ -37,7 +44,11 @@ def test_engine_packages_load_no_front_end_at_run_time():
     """``import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol`` (and every module inside the engine
     packages, the optimizer pieces and the torch compat module) loads none of Lightning, pytorch_lightning,
     Accelerate, OmegaConf."""
-    out = _run(textwrap.dedent("""
+    out = _INTERPRETERS.output("engine")
+    assert "LOADED []" in out, out
+
+
+_INTERPRETERS.add("engine", textwrap.dedent("""
         import importlib, pkgutil
         import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol, cg_lightning.phase
         import cg_lightning.torch_compat, cg_lightning.optim, cg_lightning.option_checks, cg_lightning.collate
@@ -45,7 +56,6 @@ def test_engine_packages_load_no_front_end_at_run_time():
             for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 importlib.import_module(info.name)
     """) + textwrap.dedent(_LOADED.format(front_ends=FRONT_ENDS)))
-    assert "LOADED []" in out, out
 
 
 def test_engine_packages_import_no_front_end_anywhere():
@@ -80,22 +90,30 @@ _TRAIN = textwrap.dedent("""
 """)
 
 
+for _package, _module in STRATEGY_MODULES.items():
+    if _package in INSTALLED:
+        _INTERPRETERS.add(f"cg-first-{_package}", textwrap.dedent(f"""
+            import cg_lightning
+            import sys
+            assert {_package!r} not in sys.modules
+        """) + _TRAIN.format(package=_package))
+        _INTERPRETERS.add(f"lightning-first-{_package}", textwrap.dedent(f"""
+            import {_package}
+            import cg_lightning
+        """) + _TRAIN.format(package=_package))
+        _INTERPRETERS.add(f"module-first-{_package}",
+                          f"import {_module}\n" + "".join(_TRAIN.format(package=p) for p in INSTALLED))
+
+
 @pytest.mark.parametrize("package, module", _PACKAGES)
 def test_import_cg_lightning_then_lightning_registers_the_strategy(package, module):
-    out = _run(textwrap.dedent(f"""
-        import cg_lightning
-        import sys
-        assert {package!r} not in sys.modules
-    """) + _TRAIN.format(package=package))
+    out = _INTERPRETERS.output(f"cg-first-{package}")
     assert f"STRATEGY {module} CUDAGraphDDPStrategy" in out, out
 
 
 @pytest.mark.parametrize("package, module", _PACKAGES)
 def test_import_lightning_then_cg_lightning_registers_the_strategy(package, module):
-    out = _run(textwrap.dedent(f"""
-        import {package}
-        import cg_lightning
-    """) + _TRAIN.format(package=package))
+    out = _INTERPRETERS.output(f"lightning-first-{package}")
     assert f"STRATEGY {module} CUDAGraphDDPStrategy" in out, out
 
 
@@ -103,13 +121,17 @@ def test_import_lightning_then_cg_lightning_registers_the_strategy(package, modu
 def test_importing_a_strategy_module_first_registers_every_package(package, module):
     """A strategy module imports its Lightning package itself (and the ``pytorch_lightning`` one the shared body
     with ``lightning.pytorch``): each installed package gets the name, with its own class."""
-    out = _run(f"import {module}\n" + "".join(_TRAIN.format(package=p) for p in INSTALLED))
+    out = _INTERPRETERS.output(f"module-first-{package}")
     for p in INSTALLED:
         assert f"STRATEGY {STRATEGY_MODULES[p]} CUDAGraphDDPStrategy" in out, out
 
 
 def test_public_names_resolve_lazily():
-    out = _run("""
+    out = _INTERPRETERS.output("public-names")
+    assert "OK False False" in out, out
+
+
+_INTERPRETERS.add("public-names", """
         import cg_lightning
         from cg_lightning import CUDAGraphDDPStrategy, make_graphed_callables, GraphOptions, DDPOptions
         from cg_lightning import checkpoint, is_graph_capturing, is_graph_warmup, CheckpointWithoutOutput
@@ -123,4 +145,3 @@ def test_public_names_resolve_lazily():
         assert issubclass(CUDAGraphDDPStrategy, DDPStrategy)
         print("OK", is_graph_capturing(), is_graph_warmup())
     """)
-    assert "OK False False" in out, out
