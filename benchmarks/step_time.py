@@ -37,6 +37,7 @@ matplotlib is installed) in ``--out``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import statistics
 import sys
@@ -108,10 +109,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if a.sizes:
             ap.error("--smoke runs its own size; leave out --sizes")
         a.sizes = [SMOKE_SIZE_NAME]
-        # A smoke run takes seconds; if one ever stalls, leave every thread's stack on stderr for the test.
-        import faulthandler
-
-        faulthandler.dump_traceback_later(60, exit=False)
     else:
         a.sizes = a.sizes or list(SIZES)
         bad = [s for s in a.sizes if s not in SIZES]
@@ -210,6 +207,19 @@ def _print_row(row: Dict[str, Any]) -> None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if not a.smoke:
+        return _run(a, argv)
+    # A smoke run takes seconds; if one ever stalls, every thread's stack goes to stderr for the test. The watchdog
+    # ends with the run: left armed in a process that goes on (a test calling main()), its thread would dump the
+    # stacks of threads still running Python, which can crash the interpreter.
+    faulthandler.dump_traceback_later(60, exit=False)
+    try:
+        return _run(a, argv)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _run(a: argparse.Namespace, argv) -> int:
     device = torch.device("cpu") if a.smoke or not torch.cuda.is_available() else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
