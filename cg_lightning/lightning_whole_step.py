@@ -1,4 +1,4 @@
-"""``graphs.whole_step`` under the Lightning strategy: each training step replayed from one graph.
+"""The whole training step replayed from one graph under the Lightning strategy (``graphs.whole_step``).
 
 The step function captured (:mod:`cg_lightning.graphs.whole_step`) is Lightning's own: the strategy's
 ``training_step`` (the precision plugin's autocast, the engine's forward, the module's ``training_step``), then
@@ -10,20 +10,26 @@ step (the cached fused Adam step, or the optimizer's own), schedulers, checkpoin
 ``self.log`` inside ``training_step`` is recorded at capture (a tensor logged is one of the graph's static
 outputs) and issued again after every replay, so the progress bar and the loggers see every step's values.
 
-What a replayed step cannot hold is refused before capture, with the reason in one warning, and the layers get
-per-layer graphs instead: manual optimization, gradient accumulation, a GradScaler (``16-mixed``), the
-distributed optimizer, a ``backward``, ``optimizer_zero_grad`` or ``on_before_zero_grad`` of the user's (they
-would run once), a Python number or a torchmetrics ``Metric`` logged in ``training_step`` (it would be logged
-unchanged every step), and a step whose capture fails (a host read such as ``.item()``, named with its line).
-A batch of another signature runs its step eagerly (``shape_policy="eager"``, one warning), raises
-(``"error"``) or is captured as a step graph of its own (``"recapture"``, up to ``max_graph_sets``).
+By default (``graphs.whole_step`` unset) the step is captured only where that is provably safe: the
+``training_step``'s Python reads nothing that changes between steps except what is compared before each replay
+(:mod:`cg_lightning.graphs.step_code`: no ``batch_idx``, no ``global_step``, no mutable attributes; watched numbers;
+submodules' modes and ``requires_grad``), and its host reads are of constants only (:mod:`cg_lightning.graphs.
+capture_reads`: anything else fails the capture). A refusal is one line on rank 0 and the layers get per-layer
+graphs. ``graphs.whole_step: true`` skips the code check (the step's Python is then frozen as it is) and warns on a
+refusal; ``false`` never captures the step.
+
+What a replayed step cannot hold is refused before capture, and the layers get per-layer graphs instead: manual
+optimization, gradient accumulation, a GradScaler (``16-mixed``), the distributed optimizer, a ``backward``,
+``optimizer_zero_grad`` or ``on_before_zero_grad`` of the user's (they would run once), a Python number or a
+torchmetrics ``Metric`` logged in ``training_step`` (it would be logged unchanged every step), and a step whose
+capture fails (a host read such as ``.item()``, named with its line). A batch of another signature runs its step
+eagerly (``shape_policy="eager"``, one warning), raises (``"error"``) or is captured as a step graph of its own
+(``"recapture"``, up to ``max_graph_sets``).
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, List, Optional, Tuple
@@ -32,59 +38,16 @@ import torch
 
 from . import torch_compat
 from .graphs import GraphSignatureError
-from .graphs.host_sync import refuse_host_sync
-from .graphs.whole_step import StepGraph, StepGraphs
-
-_USER_HOOKS = ("backward", "optimizer_zero_grad", "on_before_zero_grad")  # would run at capture only
+from .graphs.capture_reads import ReadsDiverged
+from .graphs.host_sync import HostSyncError
+from .graphs.selection import no_default_layers_message
+from .graphs.step_code import StepCodeReport, check_step_code
+from .graphs.whole_step import StepGraph, StepGraphs, StepGuards
+from .lightning_step_checks import FRAMEWORK, LogRecorder, StepCaptureRefused, raised_at, static_refusal
 
 
 def _copied(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-class StepCaptureRefused(RuntimeError):
-    """The training step cannot be replayed from one graph; the message says why."""
-
-
-def _overridden(obj: Any, name: str, base_names: Tuple[str, ...]) -> bool:
-    """``obj``'s class defines ``name`` below every class named in ``base_names`` (Lightning's own)."""
-    for klass in type(obj).__mro__:
-        if name in klass.__dict__:
-            return klass.__name__ not in base_names
-    return False
-
-
-def _raised_at(exc: BaseException) -> Optional[str]:
-    """The innermost frame of ``exc``'s traceback outside torch and this package: the code that made the call that
-    failed (``file:line in function: source``), or ``None``."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    found = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if not os.path.abspath(frame.filename).startswith(skip):
-            found = frame
-    if found is None:
-        return None
-    return f"{found.filename}:{found.lineno} in {found.name}: {(found.line or '').strip()}"
-
-
-class _LogRecorder:
-    """Stands in for ``LightningModule.log`` while the step function runs: keeps each call for later."""
-
-    def __init__(self, calls: List[Tuple[tuple, dict]]) -> None:
-        self.calls = calls
-
-    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, bool) or isinstance(value, (int, float)):
-            raise StepCaptureRefused(
-                f"training_step logs {name!r} as a Python number ({value!r}), which a replayed step would log "
-                "unchanged every step; log a tensor, or log the number from on_train_batch_end")
-        if not isinstance(value, torch.Tensor):
-            raise StepCaptureRefused(
-                f"training_step logs {name!r} as a {type(value).__name__} (a torchmetrics Metric updates state the "
-                "graph would keep writing after the metric is reset); log a tensor, or update the metric in "
-                "on_train_batch_end")
-        self.calls.append(((name, value.detach()) + args, kwargs))
-
 
 class LightningWholeStep:
     """The whole-step graphs of one fit under the Lightning strategy.
@@ -109,47 +72,58 @@ class LightningWholeStep:
         self.graphs: Optional[StepGraphs] = StepGraphs(driver.step_backend, options.max_graph_sets)
         self.stats = self.graphs.stats
         self.refusal: Optional[str] = None
+        #: graphs.whole_step unset: the step is captured only where its Python is proven safe to freeze
+        #: (:mod:`cg_lightning.graphs.step_code`), and a refusal is a line on rank 0, not a warning
+        self.auto = options.whole_step is None
+        self.code: Optional[StepCodeReport] = None
+        self._watched_values: tuple = ()
+        self.guards: Optional[StepGuards] = None
         self._start_step: Optional[int] = None
         self._checked = False
+        # a model the user compiled runs whole under the step graph: no layer dispatch for dynamo to break at
+        self._suspended = (driver.graph_manager is not None and not options.compile
+                           and torch_compat.contains_compiled(strategy.lightning_module))
+        if self._suspended:
+            driver.graph_manager.selection.suspend()
         self._backward_done = False
         self._mismatch_warned = False
         driver.layers_paused = True
 
     # ----------------------------------------------------------------- refusals
     def _static_refusal(self) -> Optional[str]:
-        strategy = self.strategy
-        module = strategy.lightning_module
-        trainer = module.trainer
-        if not module.automatic_optimization:
-            return "manual optimization: training_step calls the optimizers itself"
-        if getattr(strategy.precision_plugin, "scaler", None) is not None:
-            return "the GradScaler of 16-mixed checks the gradients for inf/NaN on the host every step"
-        if getattr(strategy.engine, "shards", None) is not None:
-            return "ddp.distributed_optimizer is not supported with a graph of the whole step yet"
-        lightning_bases = ("LightningModule", "HooksMixin", "ModelHooks", "DataHooks", "CheckpointHooks",
-                           "Callback")
-        for name in _USER_HOOKS:
-            if _overridden(module, name, lightning_bases):
-                return f"{type(module).__name__}.{name} is overridden and would run only when the step is captured"
-        for callback in trainer.callbacks:
-            if _overridden(callback, "on_before_zero_grad", lightning_bases):
-                return (f"the callback {type(callback).__name__} implements on_before_zero_grad, which would run "
-                        "after the replayed backward instead of before it")
-        return None
+        reason = static_refusal(self.strategy)
+        if reason is None and self.auto:
+            if self.options.capture_optimizer:
+                return "graphs.capture_optimizer is set, which captures the optimizer step beside per-layer graphs"
+            self.code = check_step_code(self.strategy.lightning_module, "training_step", free_args=1,
+                                        recorded=("log", "log_dict"), framework=FRAMEWORK)
+            reason = self.code.refusal
+        return reason
 
     def give_up(self, reason: str) -> None:
-        """No whole-step graphs from now on: one warning, and the layers get per-layer graphs."""
-        self.refusal = reason
+        """No whole-step graphs from now on, and the layers get per-layer graphs. One warning when the option was
+        asked for; unset, one line on rank 0 (and the warning for a model without layers to graph, which then
+        trains eagerly)."""
+        self.refusal = self.stats.refusal = reason
         if self.graphs is not None:
             self.graphs.clear()
         self.graphs = None
         driver = self.strategy.driver
         driver.layers_paused = False
+        if self._suspended:
+            driver.graph_manager.selection.resume()
+            self._suspended = False
         then = ("The layers get per-layer graphs instead" if driver.graph_manager is not None
                 else "It runs eagerly (no layers to graph)")
         what = "no longer replayed from" if self.stats.replays else "not captured as"
-        warnings.warn(f"cg_lightning: graphs.whole_step: the training step is {what} one graph: {reason}. {then}.",
-                      stacklevel=3)
+        if not self.auto:
+            warnings.warn(f"cg_lightning: graphs.whole_step: the training step is {what} one graph: {reason}. "
+                          f"{then}.", stacklevel=3)
+            return
+        self.announce(f"cg_lightning: the training step is {what} one graph: {reason}. {then} (graphs.whole_step: "
+                      "false chooses them without this check).")
+        if driver.graph_manager is None and self.options.layers is None:
+            warnings.warn(no_default_layers_message(self.strategy.lightning_module), UserWarning, stacklevel=3)
 
     # ----------------------------------------------------------------- the step
     def training_step(self, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
@@ -175,6 +149,12 @@ class LightningWholeStep:
             return False, None
         batch, rest = args[0], args[1:]
         graphs = self.graphs
+        if self.guards is not None:
+            changed = self.guards.changed() or (self.code.changed(self.strategy.lightning_module, self._watched_values)
+                                                if self.code is not None else None)
+            if changed is not None:
+                self.give_up(f"{changed} after the step was captured")
+                return False, None
         graph = graphs.find(batch)
         if graph is None:
             if graphs.graphs and (self.options.shape_policy != "recapture" or graphs.full):
@@ -192,17 +172,23 @@ class LightningWholeStep:
         calls: List[Tuple[tuple, dict]] = []
         strategy = self.strategy
         module = strategy.lightning_module
-        # a host read fails a CUDA capture; named here with its line. Only while the stream captures: code may skip
-        # its reads then (transformers' mask checks do), not in the warmup run before; not on the eager backend,
-        # where a replay runs the step again and reads the value anew.
-        check_host_reads = not self.options.compile and self.graphs.backend.name == "cuda"
+        # host reads of constants are answered from the eager run and all others refused, naming the line; code that
+        # asks whether a stream captures takes its eager path (transformers' mask checks). Not for compiled code,
+        # which dispatch modes would keep from running (and which takes its traced path under "ddp" too).
+        compiled = self.options.compile or torch_compat.contains_compiled(module)
+        eager_path = not compiled
+        code = self.code
+        kept = code.values(module) if code is not None else ()  # the watched values before the step ran
+        runs = [0]
 
         def body(static_batch: Any) -> Any:
+            if runs[0] and code is not None:  # each run at capture starts from the same Python state
+                code.restore(module, kept)
+            runs[0] += 1
             calls.clear()
-            module.log = _LogRecorder(calls)
+            module.log = LogRecorder(calls)
             try:
-                with refuse_host_sync(enabled=check_host_reads and torch.cuda.is_current_stream_capturing()):
-                    out = self.run_training_step(static_batch, *rest, **kwargs)
+                out = self.run_training_step(static_batch, *rest, **kwargs)
             finally:
                 del module.log
             loss = out.get("loss") if isinstance(out, Mapping) else out
@@ -211,19 +197,40 @@ class LightningWholeStep:
             engine = strategy.engine
             engine.zero_grad_buffer()
             strategy.driver.before_backward(loss)
-            strategy.precision_plugin.backward(loss, module, None)
-            if engine.sync_enabled:
-                engine.finish_grad_sync()
+            with engine.grad_adds_batched():  # a few multi-tensor additions instead of one kernel per parameter
+                strategy.precision_plugin.backward(loss, module, None)
+                if engine.sync_enabled:
+                    engine.finish_grad_sync()
             return out
 
         try:
-            graph = self.graphs.capture(body, batch, module, extras=calls)
+            try:
+                graph = self.graphs.capture(body, batch, module, extras=calls, eager_path=eager_path,
+                                            compiled=compiled)
+            except (HostSyncError, ReadsDiverged) as exc:
+                if self.auto or not eager_path:
+                    raise
+                # asked for: captured on the path code takes under capture, as before this check existed
+                warnings.warn(
+                    f"cg_lightning: graphs.whole_step: the training step reads a value that depends on the batch "
+                    f"({exc}); it is captured with the path code takes while a stream captures (transformers builds "
+                    "an explicit attention mask), which may round differently from eager steps in bf16. Unset "
+                    "graphs.whole_step to train such a step with per-layer graphs, exactly.", stacklevel=4)
+                graph = self.graphs.capture(body, batch, module, extras=calls, compiled=compiled)
         except Exception as exc:  # noqa: BLE001 - any failure: per-layer graphs, and this step runs eagerly
             strategy.engine.zero_grad_buffer()
-            where = _raised_at(exc)
+            where = raised_at(exc)
+            where = None if where is not None and where.split(": ", 1)[-1] in str(exc) else where  # named already
             self.give_up(f"capturing it failed: {type(exc).__name__}: {str(exc).rstrip('.')}"
                          + (f" (raised under {where})" if where else ""))
             return None
+        changed = code.changed(module, kept) if code is not None else None
+        if changed is not None:  # e.g. self.history.append(...): a replay would not do it
+            self.give_up(f"training_step changes what it reads ({changed}), which a replay would not do")
+            return graph  # this step's result stands: it ran as captured
+        if self.guards is None:
+            self.guards = StepGuards(module)
+            self._watched_values = code.values(module) if code is not None else ()
         stats = self.graphs.stats
         self.announce(f"cg_lightning: captured the whole training step (forward, loss, backward, gradient sync) as "
                       f"one graph with the {self.graphs.backend.name} backend in {stats.capture_seconds:.2f} s"
@@ -268,6 +275,9 @@ class LightningWholeStep:
         return done
 
     def close(self) -> None:
+        if self._suspended:
+            self.strategy.driver.graph_manager.selection.resume()  # the manager's remove restores the forwards
+            self._suspended = False
         if self.graphs is not None:
             self.graphs.clear()
         self.graphs = None

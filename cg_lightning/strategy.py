@@ -177,7 +177,8 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         # the engine class is looked up in this module when fitting starts, so an experiment can put a subclass
         # in its place (benchmarks/accumulator_stream.py binds gradient accumulators to other streams that way)
         self.driver = build_driver(self.model, self.graph_options, self.ddp_options, self.root_device,
-                                   engine_type=DataParallelEngine)
+                                   engine_type=DataParallelEngine,
+                                   whole_step=self.graph_options.whole_step is not False)
         self.model = self.driver.engine
         if self.driver.step_backend is not None:  # graphs.whole_step
             self.whole_step = LightningWholeStep(self, super().training_step, self._announce)

@@ -167,6 +167,22 @@ def is_compiled(fn: Callable) -> bool:
     return hasattr(fn, "_torchdynamo_orig_callable")
 
 
+#: the types of aten operators as Python sees them (``torch.ops.aten.add``, ``torch.ops.aten.add.Tensor``)
+OP_TYPES = (torch._ops.OpOverloadPacket, torch._ops.OpOverload)
+
+
+def contains_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule is compiled: a ``torch.compile(module)`` wrapper (``OptimizedModule``, in
+    ``torch._dynamo.eval_frame``), or a ``forward`` replaced by a compiled function (:func:`is_compiled`)."""
+    for m in module.modules():
+        if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):
+            return True
+        forward = m.__dict__.get("forward")
+        if forward is not None and is_compiled(forward):
+            return True
+    return False
+
+
 # ------------------------------------------------------------------------- memory
 def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor viewing ``t``'s memory without keeping it allocated (``torch._C._construct_storage_from_data_pointer``):

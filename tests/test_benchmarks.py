@@ -67,8 +67,10 @@ def test_smoke_run_writes_a_row_per_peer(tmp_path):
     losses = [rows[name]["final_loss"] for name in CPU_PEERS]
     assert max(losses) - min(losses) < 1e-3, losses
 
-    stats = rows["cudagraph_ddp"]["extra"]["graph_stats"]
+    stats = rows["cudagraph_ddp_per_layer"]["extra"]["graph_stats"]
     assert stats["backend"] == "eager" and stats["captured_runners"] == 2 and stats["forward_replays"] > 0
+    step = rows["cudagraph_ddp"]["extra"]["step_graph_stats"]  # the default: the whole step as one graph
+    assert step["captures"] == 1 and step["replays"] > 0 and step["refusal"] is None, step
     assert rows["cudagraph_ddp"]["capture_s"] is not None
 
     env_doc = doc["environment"]

@@ -180,7 +180,7 @@ def test_variable_length_llama_one_graph_set_per_padded_length():
     assert len(longest) > 4  # padded to the longest only, the steps would have more lengths than that
     steps, warmup = len(PADDED), 2
     reference, _ = _fit("ddp", examples, steps)
-    strategy = cg_strategy("eager", warmup_steps=warmup, shape_policy="recapture", max_graph_sets=4)
+    strategy = cg_strategy("eager", whole_step=False, warmup_steps=warmup, shape_policy="recapture", max_graph_sets=4)
     module, messages = _fit(strategy, examples, steps)
     _assert_equal_weights(module, reference)
     assert not [m for m in messages if "eagerly" in m], messages
@@ -201,7 +201,7 @@ def test_batches_without_padding_and_more_kinds_than_graph_sets():
     examples = _examples(buckets, seed=1)
     steps, warmup = len(buckets), 2
     reference, _ = _fit("ddp", examples, steps)
-    strategy = cg_strategy("eager", warmup_steps=warmup, shape_policy="recapture", max_graph_sets=4)
+    strategy = cg_strategy("eager", whole_step=False, warmup_steps=warmup, shape_policy="recapture", max_graph_sets=4)
     module, messages = _fit(strategy, examples, steps)
     _assert_equal_weights(module, reference)
     full = [m for m in messages if "max_graph_sets=4" in m]

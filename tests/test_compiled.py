@@ -51,7 +51,7 @@ def test_graphs_compile_trains_like_the_same_compiled_layers_under_ddp():
     torch._dynamo.reset()
     ref, _ = fit_hf("ddp", tiny_llama, steps=5, prepare=_compile_layers("aot_eager"))
     torch._dynamo.reset()
-    got, trainer = fit_hf(cg_strategy(compile=True, compile_backend="aot_eager"), tiny_llama, steps=5)
+    got, trainer = fit_hf(cg_strategy(compile=True, compile_backend="aot_eager", whole_step=False), tiny_llama, steps=5)
     stats = trainer.strategy.last_graph_stats
     assert stats.captured_runners == 3 and stats.fallback_calls == 0
     assert stats.compile_seconds > 0
@@ -69,7 +69,7 @@ def test_a_forward_the_user_compiled_is_captured_and_given_back():
         for i, layer in enumerate(model.model.layers):
             layer.forward = compiled[i] = torch.compile(layer.forward, backend=backend, dynamic=False)
 
-    _, trainer = fit_hf(cg_strategy(compile=True), tiny_llama, steps=5, prepare=prepare)
+    _, trainer = fit_hf(cg_strategy(compile=True, whole_step=False), tiny_llama, steps=5, prepare=prepare)
     stats = trainer.strategy.last_graph_stats
     assert stats.captured_runners == 3 and stats.forward_replays > 0
     # graphs.compile kept the user's compiled forward (no second torch.compile around it): the user's backend
@@ -95,7 +95,7 @@ def test_user_compiled_blocks_of_a_lightning_model_train_like_ddp():
     torch._dynamo.reset()
     ref = train("ddp", model, max_steps=6)
     torch._dynamo.reset()
-    got = train(cg_strategy(), model, max_steps=6)
+    got = train(cg_strategy(whole_step=False), model, max_steps=6)
     assert got.trainer.strategy.last_graph_stats.captured_runners == 3
     for (name, p), q in zip(got.model.named_parameters(), ref.model.parameters()):
         assert torch.equal(p, q), name
@@ -113,7 +113,7 @@ def test_the_whole_model_as_one_graphed_layer_splits_where_it_must_and_trains_li
     eagerly the model is split down to its embeddings, decoder layers, norm and head; compiled, dynamo traces
     that check away and the whole forward, the loss included, is one graph."""
     ref, _ = fit_hf("ddp", tiny_llama, steps=5)
-    got, trainer = fit_hf(cg_strategy(layers=["model"], on_capture_error="split"), tiny_llama, steps=5)
+    got, trainer = fit_hf(cg_strategy(layers=["model"], on_capture_error="split", whole_step=False), tiny_llama, steps=5)
     stats = trainer.strategy.last_graph_stats
     assert "model" in stats.split_layers and "model.model" in stats.split_layers, stats
     assert {"model.lm_head", "model.model.embed_tokens", "model.model.norm"} <= set(stats.graphed_parts), stats
@@ -127,7 +127,7 @@ def test_the_whole_model_as_one_graphed_layer_splits_where_it_must_and_trains_li
 
     ref, _ = fit_hf("ddp", tiny_llama, steps=5, prepare=compile_model)
     torch._dynamo.reset()
-    got, trainer = fit_hf(cg_strategy(layers=["model"], on_capture_error="split", compile=True,
+    got, trainer = fit_hf(cg_strategy(layers=["model"], on_capture_error="split", compile=True, whole_step=False,
                                       compile_backend="aot_eager"), tiny_llama, steps=5)
     stats = trainer.strategy.last_graph_stats
     assert stats.captured_runners == 1 and stats.split_layers == [] and stats.fallback_calls == 0, stats

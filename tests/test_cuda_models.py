@@ -217,9 +217,11 @@ def _fit_host_read(strategy, precision):
 
 
 def _compare_whole_step(name, fit, precision, graphs=None, expect_replays=True):
+    """``fit`` under "ddp" twice (its spread) and under the strategy with ``graphs`` (``whole_step`` true unless
+    given); the step graph's counts, losses and weights against "ddp"."""
     ref, ref_rec, _ = fit("ddp", precision)
     again, _, _ = fit("ddp", precision)
-    strategy = cg_strategy("cuda", whole_step=True, **(graphs or {}))
+    strategy = cg_strategy("cuda", **{"whole_step": True, **(graphs or {})})
     got, rec, _ = fit(strategy, precision)
     stats = strategy.last_step_graph_stats
     spread = state_rel_diff(again.state_dict(), ref.state_dict())
@@ -239,13 +241,10 @@ def _compare_whole_step(name, fit, precision, graphs=None, expect_replays=True):
 
 
 # transformers treats a capturing stream like a compiler (utils.import_utils.is_tracing): its mask code then skips its
-# data-dependent checks (masking_utils.find_packed_sequence_indices, _ignore_causal_mask_sdpa) and builds an explicit
-# causal mask, so a captured step runs SDPA with that mask and repeat_kv'd keys where the eager step runs
-# is_causal=True with SDPA's own grouped-query attention. Equal in fp32, rounded differently under bf16
-# (docs/limitations.md). "llama-capture-path" runs both sides on the capture path and is bit-exact.
-_CAPTURE_PATH = pytest.mark.xfail(strict=True, reason=(
-    "transformers builds an explicit causal mask while a stream captures; with grouped-query attention bf16 rounds "
-    "that path differently from the eager one"))
+# data-dependent checks and builds an explicit causal mask, which bf16 rounds differently from the eager step's
+# is_causal=True with grouped-query attention. The capture tells such code no stream captures and answers its host
+# reads of constants from the eager run (graphs.capture_reads), so "llama" in bf16 takes the eager path and is
+# bit-exact; "llama-capture-path" runs both sides on the capture path (transformers told it traces in every step).
 
 
 @contextlib.contextmanager
@@ -262,7 +261,7 @@ def _transformers_capture_path():
 
 
 @pytest.mark.parametrize("model, precision", [
-    ("llama", "32-true"), pytest.param("llama", "bf16-mixed", marks=_CAPTURE_PATH), ("llama-mha", "bf16-mixed"),
+    ("llama", "32-true"), ("llama", "bf16-mixed"), ("llama-mha", "bf16-mixed"),
     ("llama-capture-path", "bf16-mixed"),
     ("gpt2", "32-true"), ("gpt2", "bf16-mixed"), ("resnet18", "32-true"), ("resnet18", "bf16-mixed"),
     ("parity", "32-true"), ("parity", "bf16-mixed")])
@@ -311,7 +310,8 @@ def test_cuda_whole_step_host_read_falls_back_to_eager_with_the_line_named(deter
     with pytest.warns(UserWarning, match=r"whole_step.*HostSyncError.*test_cuda_models\.py"):
         strategy, got = _compare_whole_step("host-read", _fit_host_read, "32-true", expect_replays=False)
     assert strategy.last_step_graph_stats.captures == 0
-    assert len(got.seen) == STEPS + 1  # the run before capture (on the capture stream) read it once more
+    # each capture attempt's eager run (on the capture stream) read it once more: the eager path, then the capture path
+    assert len(got.seen) == STEPS + 2
 
 
 def test_cuda_whole_step_compiled_model_equals_the_same_compiled_model_under_ddp(deterministic):
@@ -346,3 +346,24 @@ def test_cuda_whole_step_compiled_model_equals_the_same_compiled_model_under_ddp
     assert stats.captures == 1 and stats.replays == STEPS - 3, stats
     assert probe.triton > 0
     assert weights <= spread, (weights, spread)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2", "llama-user-compiled"])
+def test_cuda_defaults_replay_the_whole_step_and_equal_ddp(deterministic, model):
+    """No graph options: a transformers model's step is replayed from one graph, bit-equal to "ddp" in bf16-mixed;
+    a model the LightningModule compiled itself (``self.model = torch.compile(model)``) equals the same compiled
+    model under "ddp", its step launching Inductor's kernels from the graph."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hf = pytest.importorskip("tests.hf_models")
+    build = {"llama": lambda: hf.tiny_llama(attn_implementation="sdpa"),
+             "gpt2": lambda: hf.tiny_gpt2(attn_implementation="sdpa"),
+             "llama-user-compiled": lambda: torch.compile(hf.tiny_llama(attn_implementation="sdpa"))}[model]
+
+    def fit(strategy, p):
+        torch._dynamo.reset()
+        with sdpa_kernel(SDPBackend.MATH):
+            return _fit_tokens(strategy, build, p)
+
+    strategy, _ = _compare_whole_step(model + " defaults", fit, "bf16-mixed", graphs={"whole_step": None})
+    assert strategy.last_step_graph_stats.refusal is None

@@ -17,7 +17,7 @@ from tests.launchers import StartedTogether
 
 FRONT_ENDS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "omegaconf")
 TORCH_ONLY = ("graphs", "ddp", "optim")
-TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py", "option_checks.py", "collate.py")
+TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py", "option_checks.py", "collate.py", "main_grad_adds.py")
 
 
 class _Interpreters(StartedTogether):

@@ -1,4 +1,4 @@
-"""``graphs.main_grad_adds``: a segment's members add their gradients into ``main_grad`` together, in few
+"""``main_grad_adds``: a segment's members add their gradients into ``main_grad`` together, in few
 multi-tensor kernels, with the same additions in the same order as one ``add_`` per parameter."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch import Callback, seed_everything
 
 import cg_lightning
-from cg_lightning.graphs.main_grad_adds import MainGradAdds
+from cg_lightning.main_grad_adds import MainGradAdds
 from examples.data import TextDataModule
 from examples.gpt import GPTLightningModule
 from tests.helpers import DATA, MODEL, make_trainer, strategy_for

@@ -23,7 +23,8 @@ from cg_lightning.options import as_options
 SECTIONS = ((GraphOptions, "graphs"), (DDPOptions, "ddp"))
 
 #: a value of the wrong type for each annotation the option fields use (one YAML and Python both refuse)
-WRONG = {bool: "maybe", int: "two", float: "big", str: ["x"], Optional[str]: ["x"], Optional[List[str]]: 3}
+WRONG = {bool: "maybe", int: "two", float: "big", str: ["x"], Optional[str]: ["x"], Optional[List[str]]: 3,
+         Optional[bool]: "maybe"}
 
 
 def _fields():
@@ -133,7 +134,7 @@ VALID = {
     "graphs": {"enabled": [False], "layers": [None, ["model.blocks.*"], ("a.*", "b")], "warmup_steps": [0, 5],
                "num_warmup_iters": [1, 3], "backend": ["auto", "cuda", "eager"],
                "shape_policy": ["eager", "error", "recapture"], "max_graph_sets": [1, 8],
-               "on_capture_error": ["raise", "eager", "split"], "capture_optimizer": [True], "whole_step": [True], "cached_optimizer_step": [False],
+               "on_capture_error": ["raise", "eager", "split"], "capture_optimizer": [True], "whole_step": [True, False, None], "cached_optimizer_step": [False],
                "segments": [False], "capture_eval": [True], "direct_grad_ready": [False],
                "compile": [True], "compile_mode": ["default", "max-autotune-no-cudagraphs"],
                "compile_backend": ["inductor", "aot_eager"]},

@@ -29,9 +29,10 @@ class TinyGPT(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self.model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        self.losses.append(float(loss.detach()))
-        return loss
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, fused=True)
@@ -65,13 +66,19 @@ def _assert_same_training(model, reference):
 @pytest.mark.parametrize("by", ["name", "class"])
 def test_fit_equals_pytorch_lightning_ddp_bit_for_bit(by, reference):
     """By name and by class, the losses and final weights equal ``pl.Trainer(strategy="ddp")`` exactly, with
-    the layers replayed from graphs after the eager warmup and the fused AdamW stepped on cached lists."""
-    strategy = "cudagraph_ddp" if by == "name" else CUDAGraphDDPStrategy(graphs={"backend": "eager"})
+    the whole step (by name: the default) or the layers (``graphs.whole_step: false``) replayed from graphs after the
+    eager warmup, and the fused AdamW stepped on cached lists."""
+    strategy = "cudagraph_ddp" if by == "name" else CUDAGraphDDPStrategy(graphs={"backend": "eager",
+                                                                                 "whole_step": False})
     model, trainer = _fit(strategy)
     assert type(trainer.strategy) is CUDAGraphDDPStrategy
     assert isinstance(trainer.strategy, pl.strategies.DDPStrategy)
-    stats = trainer.strategy.last_graph_stats
-    assert stats.captured_runners == N_LAYER and stats.forward_replays == N_LAYER * (STEPS - 2)
+    if by == "name":
+        stats = trainer.strategy.last_step_graph_stats
+        assert stats.captures == 1 and stats.replays == STEPS - 3, stats
+    else:
+        stats = trainer.strategy.last_graph_stats
+        assert stats.captured_runners == N_LAYER and stats.forward_replays == N_LAYER * (STEPS - 2)
     assert trainer.strategy.last_cached_optimizer_steps > 0
     _assert_same_training(model, reference)
 
@@ -80,7 +87,7 @@ def test_callbacks_of_pytorch_lightning(reference):
     """The ``pytorch_lightning`` callbacks: ``CUDAGraphCallback`` sets the strategy's schedule (one warmup step),
     ``GraphMonitor`` runs alongside; training stays equal to ``"ddp"``."""
     assert isinstance(CUDAGraphCallback(), pl.Callback) and isinstance(GraphMonitor(), pl.Callback)
-    strategy = CUDAGraphDDPStrategy(graphs={"backend": "eager"})
+    strategy = CUDAGraphDDPStrategy(graphs={"backend": "eager", "whole_step": False})
     model, trainer = _fit(strategy, [CUDAGraphCallback(warmup_steps=1), GraphMonitor(log_every_n_steps=2)])
     assert strategy.graph_options.warmup_steps == 1
     assert strategy.last_graph_stats.forward_replays == N_LAYER * (STEPS - 1)

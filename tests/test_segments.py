@@ -468,7 +468,7 @@ def test_each_call_is_captured_under_its_own_autocast_settings(segments, acceler
         seed_everything(5, workers=True)
         model = _LastBlockFullPrecision()
         rec = GradRecorder()
-        trainer = make_trainer(strategy_for(name, backend, segments=segments), 8, [rec], accelerator=accelerator,
+        trainer = make_trainer(strategy_for(name, backend, segments=segments, whole_step=False), 8, [rec], accelerator=accelerator,
                                precision="bf16-mixed")
         trainer.fit(model, datamodule=_ChainDM())
         out[name] = (model, rec, trainer)

@@ -17,6 +17,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 import cg_lightning  # noqa: F401  (registers the strategy name)
+from cg_lightning import CUDAGraphDDPStrategy
 from cg_lightning.graphs.selection import default_layers, eager_modules, select_layers
 from tests.helpers import cg_strategy, make_trainer
 
@@ -254,16 +255,21 @@ def _assert_equal_weights(a, b):
 
 
 def test_model_without_stacks_trains_ungraphed_with_one_warning():
+    """Per-layer graphs (``graphs.whole_step: false``) have nothing to graph: one warning; by default the whole
+    step is graphed instead, without a warning."""
     ref, _, _ = _fit(LinearModule, "ddp")
-    got, trainer, messages = _fit(LinearModule, "cudagraph_ddp")
+    got, trainer, messages = _fit(LinearModule, CUDAGraphDDPStrategy(graphs={"whole_step": False}))
     assert len(messages) == 1 and "graphs.layers" in messages[0] and "'layer'" in messages[0], messages
     assert trainer.strategy.last_graph_stats is None  # no graph manager at all
+    _assert_equal_weights(got, ref)
+    got, trainer, messages = _fit(LinearModule, "cudagraph_ddp")
+    assert messages == [] and trainer.strategy.last_step_graph_stats.replays > 0
     _assert_equal_weights(got, ref)
 
 
 def test_sequential_blocks_are_graphed_by_default():
     ref, _, _ = _fit(SequentialModule, "ddp")
-    got, trainer, messages = _fit(SequentialModule, "cudagraph_ddp")
+    got, trainer, messages = _fit(SequentialModule, CUDAGraphDDPStrategy(graphs={"whole_step": False}))
     assert messages == []
     stats = trainer.strategy.last_graph_stats
     assert stats is not None and stats.captured_runners == 3, stats  # layer.1, layer.2, layer.3
@@ -299,7 +305,7 @@ def test_resnet_blocks_are_graphed_by_default_and_train_as_ddp():
     """The stages' 8 blocks graphed (batch norm statistics updated inside them); every weight and buffer
     (running statistics, batch counts) equal to ``"ddp"`` bit for bit."""
     ref, _ = _fit_resnet("ddp")
-    got, trainer = _fit_resnet(cg_strategy("eager"))
+    got, trainer = _fit_resnet(cg_strategy("eager", whole_step=False))
     stats = trainer.strategy.last_graph_stats
     assert stats.captured_runners == 8 and stats.failed_layers == [] and stats.forward_replays > 0, stats
     for (name, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
@@ -330,7 +336,7 @@ def test_t5_blocks_train_as_ddp():
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randint(0, 64, (24, 8), generator=g), torch.randint(0, 64, (24, 6), generator=g))
     models, trainers = [], []
-    for strategy in ("ddp", cg_strategy("eager")):
+    for strategy in ("ddp", cg_strategy("eager", whole_step=False)):
         seed_everything(5)
         models.append(T5Module())
         trainers.append(make_trainer(strategy, 6))

@@ -85,7 +85,7 @@ def test_t5_encoder_blocks_returning_none_train_and_validate_like_ddp():
     bit."""
     steps = 9
     ref, _, ref_life = _fit_t5("ddp", steps)
-    model, trainer, life = _fit_t5(cg_strategy("eager", layers=[ENCODER_BLOCKS], capture_eval=True), steps)
+    model, trainer, life = _fit_t5(cg_strategy("eager", whole_step=False, layers=[ENCODER_BLOCKS], capture_eval=True), steps)
     stats = trainer.strategy.last_graph_stats
     assert stats.captured_runners == 2 and stats.failed_layers == [] and stats.fallback_calls == 0
     assert stats.forward_replays == 2 * (steps - WARMUP)
@@ -103,7 +103,7 @@ def test_t5_all_blocks_train_like_ddp():
     eager order (:mod:`cg_lightning.graphs.input_pieces`)."""
     steps = 8
     ref, _, _ = _fit_t5("ddp", steps, validation=False)
-    model, trainer, _ = _fit_t5(cg_strategy("eager", layers=[ENCODER_BLOCKS, DECODER_BLOCKS]), steps,
+    model, trainer, _ = _fit_t5(cg_strategy("eager", whole_step=False, layers=[ENCODER_BLOCKS, DECODER_BLOCKS]), steps,
                                 validation=False)
     stats = trainer.strategy.last_graph_stats
     assert stats.captured_runners == 4 and stats.failed_layers == [] and stats.fallback_calls == 0
@@ -183,10 +183,10 @@ def test_layers_returning_a_model_output_with_none_fields_are_graphed():
 
 
 def _fit_cg(build, callbacks=(), **module_kwargs):
-    """:func:`fit_hf` under the strategy; returns (module, graph stats, cg_lightning warnings)."""
+    """:func:`fit_hf` under the strategy with per-layer graphs; returns (module, graph stats, cg_lightning warnings)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, trainer = fit_hf(cg_strategy("eager"), build, callbacks=callbacks, **module_kwargs)
+        got, trainer = fit_hf(cg_strategy("eager", whole_step=False), build, callbacks=callbacks, **module_kwargs)
     return got, trainer.strategy.last_graph_stats, [str(w.message) for w in caught if "cg_lightning" in str(w.message)]
 
 
@@ -302,7 +302,7 @@ def test_moe_decoder_layers_split_attention_and_norms_graphed_experts_eager():
     ref, _ = fit_hf("ddp", moe_eager_experts, steps=7)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, trainer = fit_hf(cg_strategy("eager", on_capture_error="split"), moe_eager_experts, steps=7)
+        got, trainer = fit_hf(cg_strategy("eager", on_capture_error="split", whole_step=False), moe_eager_experts, steps=7)
     assert_same_weights(got, ref)
     stats = trainer.strategy.last_graph_stats
     layers = ["model.model.layers.0", "model.model.layers.1"]
@@ -320,7 +320,7 @@ def test_moe_decoder_layers_split_attention_and_norms_graphed_experts_eager():
 def test_moe_decoder_layer_under_raise_names_the_library_line_and_suggests_split():
     with pytest.raises(GraphCaptureError, match=r"(?s)'model\.model\.layers\.0'.*host synchronization.*"
                                                 r"modeling_qwen2_moe\.py.*on_capture_error='split'"):
-        fit_hf(cg_strategy("eager"), moe_eager_experts, steps=3)
+        fit_hf(cg_strategy("eager", whole_step=False), moe_eager_experts, steps=3)
 
 
 @pytest.mark.parametrize("case", ["attentions", "router_logits"])
@@ -337,7 +337,7 @@ def test_outputs_collected_inside_layers_under_split_graph_the_parts(case):
     ref, _ = fit_hf("ddp", build, steps=8, forward_kwargs=forward)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        got, trainer = fit_hf(cg_strategy("eager", on_capture_error="split"), build, steps=8, forward_kwargs=forward)
+        got, trainer = fit_hf(cg_strategy("eager", on_capture_error="split", whole_step=False), build, steps=8, forward_kwargs=forward)
     stats = trainer.strategy.last_graph_stats
     assert "model.model.layers.0" in stats.split_layers and hooked in stats.graphed_parts, stats
     assert stats.forward_replays > 0 and stats.fallback_calls == 0, stats

@@ -28,7 +28,9 @@ STEPS = 8  # warmup steps 0-1, capture in step 2, replays in steps 3-7
 
 
 def whole_step(**graphs):
-    return cg_strategy(whole_step=True, **graphs)
+    """The strategy with ``graphs.whole_step`` true, unless ``graphs`` says otherwise (``None``: the default)."""
+    graphs.setdefault("whole_step", True)
+    return cg_strategy(**graphs)
 
 
 def _cg_warnings(record) -> list:

@@ -301,14 +301,13 @@ def test_a_step_that_returns_none_after_capture_is_skipped_as_under_ddp():
 class _SkipsOnData(ParityModel):
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
-        if batch[1].sum() > 0:  # a host read: a CUDA capture refuses it, the eager backend does not look
+        if batch[1].sum() > 0:  # a host read of the batch: refused at capture, on the eager backend too
             return None
         return loss
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="eager backend only: a training_step that returns None "
-                   "depending on the data is captured (host reads are not refused on the eager backend) and the "
-                   "first replay whose batch makes it return None raises StepCaptureRefused out of fit; on CUDA "
-                   "the host read refuses the capture")
-def test_a_step_that_returns_none_depending_on_the_data_trains_like_ddp_on_the_eager_backend():
-    _check(_SkipsOnData, expect_replays=None)
+@pytest.mark.parametrize("whole_step", [True, None])
+def test_a_step_that_returns_none_depending_on_the_data_is_refused_and_trains_like_ddp(whole_step):
+    strategy, _, warned = _check(_SkipsOnData, expect_replays=False, graphs={"whole_step": whole_step})
+    refusal = strategy.last_step_graph_stats.refusal
+    assert "HostSyncError" in refusal and "batch[1].sum() > 0" in refusal, refusal

@@ -1,5 +1,8 @@
-"""Peers ``cudagraph_ddp`` (the strategy's defaults: per-layer graphs on the blocks chained into segments,
-direct grad-ready, the fused AdamW step on cached tensor lists), ``cudagraph_ddp_layers`` (per-layer graphs
+"""Peers ``cudagraph_ddp`` (the strategy's defaults: the training step as one graph where that is provably safe,
+else per-layer graphs; the fused AdamW step on cached tensor lists), ``cudagraph_ddp_user_compile`` (the defaults
+on a model the LightningModule compiled itself), ``cudagraph_ddp_per_layer`` (``graphs.whole_step=False``:
+per-layer graphs on the blocks chained into segments, direct grad-ready; the variants below are per-layer too),
+``cudagraph_ddp_layers`` (per-layer graphs
 only: ``segments``, ``direct_grad_ready`` and ``cached_optimizer_step`` off), ``cudagraph_ddp_nocache`` (the
 defaults without ``cached_optimizer_step``: what the cached step saves), ``cudagraph_ddp_opt`` (the defaults
 plus ``capture_optimizer``: the step replayed from a graph, opt-in because not bit-exact),
@@ -22,25 +25,30 @@ from benchmarks.peers import Peer
 
 # the graphs options of each peer beyond the defaults (also what benchmarks.diagnostics.profile_step,
 # host_phases and device_work build the strategy from); "layers" names a variant of benchmarks.models.LAYERS
-_OFF = {"segments": False, "direct_grad_ready": False, "cached_optimizer_step": False}
+_PER_LAYER = {"whole_step": False}
+_OFF = {**_PER_LAYER, "segments": False, "direct_grad_ready": False, "cached_optimizer_step": False}
 GRAPHS_OF = {
     "cudagraph_ddp": {},
+    "cudagraph_ddp_user_compile": {},
+    "cudagraph_ddp_per_layer": _PER_LAYER,
     "cudagraph_ddp_layers": _OFF,
-    "cudagraph_ddp_nocache": {"cached_optimizer_step": False},
-    "cudagraph_ddp_opt": {"capture_optimizer": True},
-    "cudagraph_ddp_glue": {"layers": "glue"},
-    "cudagraph_ddp_head": {"layers": "head"},
-    "cudagraph_ddp_whole": {"layers": "whole", "on_capture_error": "split"},
-    "cudagraph_ddp_compile": {"compile": True},
-    "cudagraph_ddp_whole_compile": {"layers": "whole", "compile": True, "on_capture_error": "split"},
+    "cudagraph_ddp_nocache": {**_PER_LAYER, "cached_optimizer_step": False},
+    "cudagraph_ddp_opt": {**_PER_LAYER, "capture_optimizer": True},
+    "cudagraph_ddp_glue": {**_PER_LAYER, "layers": "glue"},
+    "cudagraph_ddp_head": {**_PER_LAYER, "layers": "head"},
+    "cudagraph_ddp_whole": {**_PER_LAYER, "layers": "whole", "on_capture_error": "split"},
+    "cudagraph_ddp_compile": {**_PER_LAYER, "compile": True},
+    "cudagraph_ddp_whole_compile": {**_PER_LAYER, "layers": "whole", "compile": True, "on_capture_error": "split"},
     "cudagraph_ddp_step": {"whole_step": True},
     "cudagraph_ddp_step_compile": {"whole_step": True, "layers": "whole", "compile": True},
 }
+#: peers whose LightningModule compiles its model itself (``self.model = torch.compile(self.model)``)
+USER_COMPILED = {"cudagraph_ddp_user_compile"}
 
 
 #: the ddp options of each peer beyond the defaults
 DDP_OF = {"cudagraph_ddp_distopt": {"distributed_optimizer": True}}
-GRAPHS_OF["cudagraph_ddp_distopt"] = {}
+GRAPHS_OF["cudagraph_ddp_distopt"] = _PER_LAYER  # the distributed optimizer is refused by the whole step
 
 
 def graphs_of(peer: str, model: str = "gpt") -> dict:
@@ -75,9 +83,9 @@ def run(s: RunSettings, peer: str = "cudagraph_ddp") -> PeerResult:
         graphs={"warmup_steps": s.cg_warmup_steps, **graphs}, ddp=DDP_OF.get(peer), timeout=PROCESS_GROUP_TIMEOUT,
     )
     try:
-        timing, trainer = fit_timed(s, strategy)
+        timing, trainer = fit_timed(s, strategy, compile_model=peer in USER_COMPILED)
     finally:
-        if graphs.get("compile"):
+        if graphs.get("compile") or peer in USER_COMPILED:
             from benchmarks.peers.compile_reduce_overhead import reset_compiler
 
             reset_compiler()
@@ -101,11 +109,13 @@ def run(s: RunSettings, peer: str = "cudagraph_ddp") -> PeerResult:
         if getattr(stats, "fallback_calls", 0):
             notes.append(f"{stats.fallback_calls} layer calls fell back to eager")
     step_stats = getattr(trainer.strategy, "last_step_graph_stats", None)
-    if graphs.get("whole_step"):
+    if step_stats is not None and step_stats.refusal:
+        extra["whole_step_refusal"] = step_stats.refusal
+    if graphs.get("whole_step") is not False:
         if step_stats is not None and step_stats.captures:
             extra["step_graph_stats"] = dataclasses.asdict(step_stats)
             capture_s = (capture_s or 0.0) + float(step_stats.capture_seconds)
-        if step_stats is None or not step_stats.replays:
+        if (step_stats is None or not step_stats.replays) and graphs.get("whole_step"):
             notes.append("the whole step was never replayed from a graph")
     elif stats is None:
         notes.append("the strategy kept no graph stats")
@@ -124,15 +134,21 @@ def run(s: RunSettings, peer: str = "cudagraph_ddp") -> PeerResult:
 
 PEER = Peer("cudagraph_ddp", run, needs_cuda=False,
             description='Lightning Trainer(strategy=cg_lightning.CUDAGraphDDPStrategy(), devices=1, '
-                        'precision="bf16-mixed") with its defaults: per-layer CUDA graphs on the blocks chained '
-                        'into segments, direct grad-ready, the fused AdamW step on cached tensor lists (eager graph '
-                        'backend on CPU)')
+                        'precision="bf16-mixed") with its defaults: the training step as one CUDA graph where '
+                        'provably safe (else per-layer graphs), the fused AdamW step on cached tensor lists (eager '
+                        'graph backend on CPU)')
 
 
 def _variant(name: str, needs_cuda: bool, description: str) -> Peer:
     return Peer(name, lambda s: run(s, name), needs_cuda=needs_cuda, description=description)
 
 
+PEER_USER_COMPILE = _variant("cudagraph_ddp_user_compile", True,
+                             "cudagraph_ddp's defaults on a model the LightningModule compiled itself "
+                             "(self.model = torch.compile(self.model), default mode)")
+PEER_PER_LAYER = _variant("cudagraph_ddp_per_layer", False,
+                          "cudagraph_ddp with graphs.whole_step=False: per-layer graphs on the blocks chained into "
+                          "segments, direct grad-ready, the cached fused AdamW step")
 PEER_LAYERS = _variant("cudagraph_ddp_layers", False,
                        "cudagraph_ddp with graphs.segments, graphs.direct_grad_ready and graphs.cached_optimizer_step "
                        "off: one graph per block call and direction, optimizer.step() as is")

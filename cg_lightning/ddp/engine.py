@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import protocol
+from ..main_grad_adds import MainGradAdds
 from .broadcast import broadcast_buffers, broadcast_states
 from .buffer import GradBuffer
 from .bucket import Bucket
@@ -138,6 +139,8 @@ class DataParallelEngine(nn.Module):
         #: they leave ``param.grad`` to autograd, as if the engine were not there (the Accelerate engine arms
         #: them only inside ``accelerator.backward``; graph capture records occurrences either way)
         self.hooks_armed = True
+        #: inside :meth:`grad_adds_batched`: the hooks' main_grad additions, queued for multi-tensor kernels
+        self.batched_adds: Optional[MainGradAdds] = None
         #: some parameter reported ready since this was last set to False (with or without gradient sync)
         self.reached = False
         self.golden_known = False
@@ -203,6 +206,21 @@ class DataParallelEngine(nn.Module):
         finally:
             self.sync_enabled = old
 
+    @contextlib.contextmanager
+    def grad_adds_batched(self) -> Iterator[None]:
+        """The hooks queue their ``main_grad += param.grad`` and launch them as few ``torch._foreach_add_`` kernels:
+        before a bucket's all-reduce starts, when 64 MB are pending, and at the end. Bit-identical to one addition
+        per parameter (:mod:`cg_lightning.main_grad_adds`); inside a graph of the whole step it replaces about one
+        kernel per parameter by a few. The queued gradients stay allocated until launched."""
+        adds = self.batched_adds = MainGradAdds()
+        self.reducer.before_dispatch = adds.flush
+        try:
+            yield
+        finally:
+            adds.flush()
+            self.batched_adds = None
+            self.reducer.before_dispatch = None
+
     # ----------------------------------------------------------------- step end
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's all-reduce; afterwards ``main_grad`` holds the reduced gradients.
@@ -215,6 +233,8 @@ class DataParallelEngine(nn.Module):
                 count (or, in the first iteration, that never reported ready), or the ranks' golden counts
                 differ, or another rank did not reach this point within ``timeout_s``.
         """
+        if self.batched_adds is not None:
+            self.batched_adds.flush()
         self._check.refuse_unfrozen()
         if self.unused is not None and self.golden_known:
             for b in self.buckets:

@@ -2,7 +2,8 @@
 
 A hook on the node rather than a post-accumulate-grad hook: it fires even when a graph replay handed autograd no
 gradient for the parameter (the graph wrote ``main_grad`` itself). Following :mod:`cg_lightning.protocol`, the
-hook adds ``param.grad`` into ``main_grad`` unless a kernel already did (``grad_added_to_main_grad``), drops
+hook adds ``param.grad`` into ``main_grad`` unless a kernel already did (``grad_added_to_main_grad``; inside
+the engine's ``grad_adds_batched`` it queues the addition for one multi-tensor kernel), drops
 ``param.grad`` and calls the parameter's notifier (:mod:`.grad_ready`). While graphs are built it only records
 the occurrence (:mod:`cg_lightning.phase`); while the engine's ``hooks_armed`` is false it leaves ``param.grad``
 to autograd.
@@ -35,7 +36,11 @@ def _hook(engine, param: nn.Parameter, notify: Callable[[], None]) -> Callable:
         else:
             grad = param.grad
             if grad is not None:  # None after a graph replay: the graph wrote main_grad itself
-                main_grad(param).add_(grad)
+                adds = engine.batched_adds
+                if adds is None:
+                    main_grad(param).add_(grad)
+                else:  # launched with others before the bucket's all-reduce (DataParallelEngine.grad_adds_batched)
+                    adds.add((main_grad(param),), (grad,))
                 param.grad = None
         notify()
 

@@ -10,7 +10,7 @@ of eagerly computed gradients); a bucket is issued from a hook in the middle of 
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -43,6 +43,8 @@ class BucketReducer:
         self.dispatch_log: List[int] = []
         self.last_dispatch_order: List[int] = []
         self._next = 0
+        #: called before a bucket's all-reduce is started (queued main_grad additions are launched there)
+        self.before_dispatch: Optional[Callable[[], None]] = None
         self._grad_streams: List["torch.cuda.Stream"] = []
         self._comm_stream: Optional["torch.cuda.Stream"] = None
         if device.type == "cuda" and world_size > 1:
@@ -58,6 +60,8 @@ class BucketReducer:
             bucket = buckets[self._next]
             self._next += 1
             self.dispatch_log.append(bucket.index)
+            if self.before_dispatch is not None:
+                self.before_dispatch()
             if self._comm_stream is None:
                 bucket.dispatch(self.group, self.world_size, self.options.average)
                 continue

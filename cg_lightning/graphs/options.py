@@ -65,8 +65,8 @@ class GraphOptions:
     direct_grad_ready: bool = True
     """Parameters only one graphed call reaches are reported ready by its replay, not by an autograd edge."""
 
-    whole_step: bool = False
-    """Lightning only: capture forward, loss, backward and gradient sync of the training step as one graph; opt-in."""
+    whole_step: Optional[bool] = None
+    """Lightning only: forward, loss, backward and gradient sync as one graph; ``None``: where provably safe."""
 
     compile: bool = False
     """Compile each graphed layer's forward with ``torch.compile`` (no CUDA graphs of its own) before capture; opt-in."""

@@ -20,7 +20,7 @@ from .call_capture import CallCapture
 from .call_settings import REQUIRES_GRAD, CapturedSettings
 from .grad_layouts import static_grad_output_buffer
 from .discovery import owned_parameters
-from .main_grad_adds import MainGradAdds
+from ..main_grad_adds import MainGradAdds
 from .outputs import OutputStructure
 from .replay_plan import ReplayPlan
 from .routing import Routing

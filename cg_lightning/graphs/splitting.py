@@ -54,6 +54,7 @@ class LayerSelection:
         self.held: List[nn.Module] = []  # layers whose checkpoint around __call__ moved inside (.outer_checkpoint)
         self._causes: Dict[int, str] = {}  # id(layer) -> why it was split or runs eagerly
         self._unreported: List[GraphedLayer] = []  # split layers not yet named in a warning
+        self._suspended: List[Optional[Callable]] = []  # the dispatches while suspended (:meth:`suspend`)
         for name, module in selected:
             self.layers.append(self._install(name, module, None))
 
@@ -81,6 +82,23 @@ class LayerSelection:
                 del layer.module.forward
         for module in self.held:
             outer_checkpoint.release(module)
+
+    def suspend(self) -> None:
+        """Every layer's own ``forward`` back for a while, the dispatch kept for :meth:`resume`: a model the user
+        compiled whole, run by a graph of the whole step, where dynamo would break its graph at each dispatch."""
+        self._suspended = [layer.module.__dict__.get("forward") for layer in self.layers]
+        for layer in self.layers:
+            if layer.own_forward is not None:
+                layer.module.forward = layer.own_forward
+            elif layer.module.__dict__.get("forward") is not None:
+                del layer.module.forward
+
+    def resume(self) -> None:
+        """The dispatch installed again after :meth:`suspend`."""
+        for layer, dispatch in zip(self.layers, self._suspended):
+            if dispatch is not None:
+                layer.module.forward = dispatch
+        self._suspended = []
 
     # ----------------------------------------------------------------- splitting
     def note(self, layer: GraphedLayer, exc: BaseException) -> None:

@@ -22,12 +22,19 @@ On the CUDA backend the step function runs once eagerly on the capture stream be
 per-stream state lazily), with the module's buffers, the RNG states and the static batch restored afterwards
 (a step that changes its batch in place must not find it changed twice), then once under
 capture, and the graph is replayed for the step itself. ``main_grad`` is not copied: the step function zeroes it
-before its backward. On the eager backend capture is a plain call
-and a replay calls the step function again (CPU tests of the bookkeeping).
+before its backward. With ``eager_path`` the eager run keeps the host reads of constant values and the capture answers
+them, so that code which would take another path under capture takes the eager one (:mod:`.capture_reads`); the
+eager backend then makes the same two runs. Otherwise code takes the path it takes under capture (on the eager
+backend it is told a stream captures) and host reads are refused. On the eager backend a replay calls the step
+function again (CPU tests of the bookkeeping).
+
+What a replay relies on besides the batch is compared before it by :class:`StepGuards`: every submodule's
+train/eval mode and every parameter's ``requires_grad``, as at capture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
@@ -37,6 +44,8 @@ import torch.nn as nn
 
 from .. import torch_compat
 from .capture_order import TrainingStateSnapshot
+from .capture_reads import answer_reads, capture_seen_by_code, record_reads
+from .host_sync import refuse_host_sync
 from .signature import CallSignature
 
 
@@ -69,6 +78,29 @@ class StepGraph:
         return torch_compat.tree_unflatten(leaves, self.output_spec)
 
 
+class StepGuards:
+    """The train/eval mode of every submodule of ``module`` and the ``requires_grad`` of every parameter, as now;
+    :meth:`changed` says which differs later (a callback that freezes a backbone or switches a dropout to eval)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = list(module.named_modules())
+        self.params = list(module.named_parameters())
+        self.modes = [m.training for _, m in self.modules]
+        self.grads = [p.requires_grad for _, p in self.params]
+
+    def changed(self) -> Optional[str]:
+        """``None`` when all are as at construction; else the first difference, in words."""
+        if [m.training for _, m in self.modules] == self.modes and [p.requires_grad for _, p in self.params] == self.grads:
+            return None
+        for (name, m), mode in zip(self.modules, self.modes):
+            if m.training != mode:
+                return f"module {name or type(m).__name__!r} was switched to {'train' if m.training else 'eval'} mode"
+        for (name, p), grad in zip(self.params, self.grads):
+            if p.requires_grad != grad:
+                return f"parameter {name!r} was {'unfrozen' if p.requires_grad else 'frozen'}"
+        return None
+
+
 @dataclass
 class StepGraphStats:
     """Counters of the whole-step graphs of one training run."""
@@ -78,6 +110,7 @@ class StepGraphStats:
     eager_steps: int = 0  #: steps after warmup that ran eagerly (a batch of another signature)
     capture_seconds: float = 0.0  #: wall time of the captures, warmup runs included
     signatures: List[str] = field(default_factory=list)  #: the captured batch signatures, as text
+    refusal: Optional[str] = None  #: why the step is not (or no longer) replayed from a graph
 
 
 class StepGraphs:
@@ -114,20 +147,29 @@ class StepGraphs:
     def full(self) -> bool:
         return len(self.graphs) >= self.max_graphs
 
-    def capture(self, body: Callable[[Any], Any], batch: Any, module: nn.Module, extras: Any = None) -> StepGraph:
+    def capture(self, body: Callable[[Any], Any], batch: Any, module: nn.Module, extras: Any = None, *,
+                eager_path: bool = False, compiled: bool = False) -> StepGraph:
         """Capture ``body`` for ``batch``'s signature and run this step (the returned graph's :meth:`~StepGraph.output`
         holds its result).
 
         Args:
             body: the step function; called with a batch of static tensors (copies of ``batch``'s).
             batch: this step's batch (a tree of tensors and other values).
-            module: the trained module, whose buffers (and parameters' ``main_grad``) the CUDA warmup run restores.
+            module: the trained module, whose buffers (and parameters' ``main_grad``) the eager run restores.
             extras: kept on the step graph for the caller.
+            eager_path: the eager run records the host reads of constant values and the capture answers them,
+                with outside code told no stream captures (:mod:`.capture_reads`); host reads of other values are
+                refused. Leave it off for compiled code (dispatch modes stop dynamo from running it). Off, code
+                takes the path it takes under capture and a host read is refused naming its line, unless
+                ``compiled`` (on the eager backend code is told a stream captures, as it would be on a GPU).
+            compiled: the step runs compiled code: no dispatch mode at all (dynamo would run the uncompiled code).
 
         Raises:
             ValueError: ``batch`` holds no tensor.
-            Exception: whatever ``body`` or the capture raises; ``module``'s buffers and the RNG states are
-                restored then, and a CUDA capture leaves the process as it was (:func:`.capture_guard.guarded_capture`).
+            Exception: whatever ``body`` or the capture raises (:class:`~.host_sync.HostSyncError`,
+                :class:`~.capture_reads.ReadsDiverged` under ``eager_path``); ``module``'s buffers and the RNG
+                states are restored then, and a CUDA capture leaves the process as it was
+                (:func:`.capture_guard.guarded_capture`).
         """
         start = time.perf_counter()
         signature = CallSignature((batch,), {})
@@ -144,19 +186,38 @@ class StepGraphs:
             holder["leaves"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
             return [x for x in leaves if isinstance(x, torch.Tensor)]
 
+        cuda = self.backend.name == "cuda"
+        recorded: Any = None
+        runs = [0]
+
+        def captured() -> List[Optional[torch.Tensor]]:
+            runs[0] += 1
+            if runs[0] > 1:  # an eager backend's replays run the step as it is
+                return run()
+            if recorded is not None:
+                with answer_reads(recorded):
+                    return run()
+            # a host read would fail the capture: named with its line; the eager backend's stand-in shows code the
+            # capture it would see on a GPU
+            seen = capture_seen_by_code() if not cuda and not compiled else contextlib.nullcontext()
+            with refuse_host_sync(enabled=not compiled), seen:
+                return run()
+
         # main_grad is not kept: the step function zeroes it first, and a failed capture is followed by a step that
         # zeroes it too; a copy would cost the gradients' size at the capture step's peak
         before = TrainingStateSnapshot(module, [module], restore_grads=False, main_grads=False)
         try:
-            if self.backend.name == "cuda":
-                with self.backend.warmup_stream():
+            if cuda or eager_path:
+                # the eager run: on the capture stream (libraries bind per-stream state lazily), constant reads kept
+                with self.backend.warmup_stream(), (record_reads() if eager_path else contextlib.nullcontext()) as rec:
                     run()
-                before.restore()  # buffers (batch-norm statistics) and RNG as before the warmup run
+                recorded = rec
+                before.restore()  # buffers (batch-norm statistics) and RNG as before the eager run
                 with torch.no_grad():  # and the batch: a step that changes it in place gets it unchanged again
                     for static, new in zip(inputs, signature.tensor_leaves((batch,), {})):
                         static.copy_(new)
             versions = [torch_compat.version(t) for t in inputs]  # the capture's in-place writes bump them
-            graph = self.backend.capture(run, self.pool)
+            graph = self.backend.capture(captured, self.pool)
         except BaseException:
             before.restore()  # the eager backend ran part of the step: nothing of it is kept
             raise

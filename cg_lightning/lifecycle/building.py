@@ -23,6 +23,7 @@ def apply_graphs(
     device: torch.device,
     *,
     accumulate_into_main_grad: bool = True,
+    whole_step: bool = False,
 ) -> Optional[GraphManager]:
     """Install a :class:`~cg_lightning.graphs.GraphManager` on ``model``'s selected layers.
 
@@ -33,6 +34,8 @@ def apply_graphs(
         device: the training device (picks the backend for ``backend="auto"``).
         accumulate_into_main_grad: captured backwards add weight gradients into ``param.main_grad`` (the
             data-parallel engine's buffer); ``False`` for eval-only graphs without an engine.
+        whole_step: a graph of the whole step may stand in for the layers: a model without layers to graph is
+            not warned about here (the front-end warns if the whole step is refused).
 
     A transformers model's ``config.use_cache`` is turned off for training (:mod:`.hf_cache`, one warning).
 
@@ -47,7 +50,7 @@ def apply_graphs(
     if not options.enabled:
         return None
     if options.layers is None and not default_layers(model):
-        if not options.whole_step:  # a graph of the whole step needs no layers
+        if not whole_step:  # a graph of the whole step needs no layers
             warnings.warn(no_default_layers_message(model), UserWarning, stacklevel=2)
         return None
     if accumulate_into_main_grad:  # training
@@ -97,13 +100,16 @@ def build_driver(
     *,
     process_group: Any = None,
     engine_type: Type[DataParallelEngine] = DataParallelEngine,
+    whole_step: bool = False,
 ) -> TrainingDriver:
     """:func:`apply_graphs`, then :func:`apply_data_parallel`, then a :class:`TrainingDriver` over both. With
-    ``graphs.whole_step`` the driver's ``step_backend`` is the manager's backend (a backend of its own when no layer
-    is graphed), the one whole-step graphs capture with."""
-    manager = apply_graphs(model, graphs, device)
+    ``whole_step`` (the front-end may capture the whole step: ``graphs.whole_step`` true, or unset under a front-end
+    that decides per model) the driver's ``step_backend`` is the manager's backend (a backend of its own when no
+    layer is graphed), the one whole-step graphs capture with."""
+    whole_step = whole_step and graphs.enabled
+    manager = apply_graphs(model, graphs, device, whole_step=whole_step)
     step_backend = None
-    if graphs.enabled and graphs.whole_step:
+    if whole_step:
         step_backend = manager.backend if manager is not None else make_backend(graphs.backend, device)
     engine = apply_data_parallel(model, ddp, graph_manager=manager or step_backend, process_group=process_group,
                                  engine_type=engine_type)

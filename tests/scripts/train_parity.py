@@ -183,6 +183,8 @@ def main(argv=None) -> None:
                     help="cudagraph_ddp only: ddp.broadcast_buffers=False")
     ap.add_argument("--direct-grad-ready", action="store_true", help="cudagraph_ddp only: graphs.direct_grad_ready=True")
     ap.add_argument("--segments", action="store_true", help="cudagraph_ddp only: graphs.segments=True")
+    ap.add_argument("--whole-step", default="auto", choices=["auto", "true", "false"],
+                    help="cudagraph_ddp only: graphs.whole_step (auto: unset, the default)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="cudagraph_ddp only: graphs.enabled=False (our DDP engine alone, every layer eager)")
     ap.add_argument("--deterministic", action="store_true",
@@ -211,6 +213,8 @@ def main(argv=None) -> None:
             graphs["direct_grad_ready"] = True
         if a.segments:
             graphs["segments"] = True
+        if a.whole_step != "auto":
+            graphs["whole_step"] = a.whole_step == "true"
         if a.no_graphs:
             graphs = {"enabled": False}
         if a.model == "bn":
@@ -252,11 +256,15 @@ def main(argv=None) -> None:
         strat = trainer.strategy
         if isinstance(strat, cg_lightning.CUDAGraphDDPStrategy) and strat.last_graph_stats is not None:
             stats = dict(vars(strat.last_graph_stats))
+        step_stats = None
+        if isinstance(strat, cg_lightning.CUDAGraphDDPStrategy) and strat.last_step_graph_stats is not None:
+            step_stats = dict(vars(strat.last_step_graph_stats))
         torch.save(
             {
                 "losses": rec.losses,
                 "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
                 "stats": stats,
+                "step_stats": step_stats,
                 "ready_counts": counts.counts,
                 "rank_buffers": bufs.rank_buffers,
                 "grad_norms": norms.norms,

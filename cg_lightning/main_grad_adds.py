@@ -30,7 +30,7 @@ from typing import List, Sequence, Set
 
 import torch
 
-from ..torch_compat import foreach_add_
+from .torch_compat import foreach_add_
 
 #: default bound on the bytes of gradients kept pending (the tiny benchmark's 12 blocks need 36 MB)
 FLUSH_BYTES = 64 * 2**20

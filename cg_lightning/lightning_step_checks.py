@@ -1,0 +1,88 @@
+"""What keeps a Lightning training step from being replayed from one graph, found before and during its capture.
+
+:func:`static_refusal` reads the fit's set-up (manual optimization, a GradScaler, the distributed optimizer,
+hooks of the user's that would run only at capture); :class:`LogRecorder` stands in for ``self.log`` while the step
+is captured and refuses values a replay could not log again; :func:`raised_at` names the user's line of a capture
+that failed. Used by :mod:`cg_lightning.lightning_whole_step`.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+_USER_HOOKS = ("backward", "optimizer_zero_grad", "on_before_zero_grad")  # would run at capture only
+#: packages whose properties and methods, read through ``self`` in a training step, reflect the loop's state
+FRAMEWORK = ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics")
+
+
+class StepCaptureRefused(RuntimeError):
+    """The training step cannot be replayed from one graph; the message says why."""
+
+
+def overridden(obj: Any, name: str, base_names: Tuple[str, ...]) -> bool:
+    """``obj``'s class defines ``name`` below every class named in ``base_names`` (Lightning's own)."""
+    for klass in type(obj).__mro__:
+        if name in klass.__dict__:
+            return klass.__name__ not in base_names
+    return False
+
+
+def raised_at(exc: BaseException) -> Optional[str]:
+    """The innermost frame of ``exc``'s traceback outside torch and this package: the code that made the call that
+    failed (``file:line in function: source``), or ``None``."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not os.path.abspath(frame.filename).startswith(skip):
+            found = frame
+    if found is None:
+        return None
+    return f"{found.filename}:{found.lineno} in {found.name}: {(found.line or '').strip()}"
+
+
+class LogRecorder:
+    """Stands in for ``LightningModule.log`` while the step function runs: keeps each call for later."""
+
+    def __init__(self, calls: List[Tuple[tuple, dict]]) -> None:
+        self.calls = calls
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, bool) or isinstance(value, (int, float)):
+            raise StepCaptureRefused(
+                f"training_step logs {name!r} as a Python number ({value!r}), which a replayed step would log "
+                "unchanged every step; log a tensor, or log the number from on_train_batch_end")
+        if not isinstance(value, torch.Tensor):
+            raise StepCaptureRefused(
+                f"training_step logs {name!r} as a {type(value).__name__} (a torchmetrics Metric updates state the "
+                "graph would keep writing after the metric is reset); log a tensor, or update the metric in "
+                "on_train_batch_end")
+        self.calls.append(((name, value.detach()) + args, kwargs))
+
+
+
+
+_LIGHTNING_BASES = ("LightningModule", "HooksMixin", "ModelHooks", "DataHooks", "CheckpointHooks", "Callback")
+
+
+def static_refusal(strategy: Any) -> Optional[str]:
+    """Why the fit of ``strategy`` (the Lightning strategy, set up) cannot replay its training step from one graph,
+    or ``None``."""
+    module = strategy.lightning_module
+    if not module.automatic_optimization:
+        return "manual optimization: training_step calls the optimizers itself"
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        return "the GradScaler of 16-mixed checks the gradients for inf/NaN on the host every step"
+    if getattr(strategy.engine, "shards", None) is not None:
+        return "ddp.distributed_optimizer is not supported with a graph of the whole step yet"
+    for name in _USER_HOOKS:
+        if overridden(module, name, _LIGHTNING_BASES):
+            return f"{type(module).__name__}.{name} is overridden and would run only when the step is captured"
+    for callback in module.trainer.callbacks:
+        if overridden(callback, "on_before_zero_grad", _LIGHTNING_BASES):
+            return (f"the callback {type(callback).__name__} implements on_before_zero_grad, which would run "
+                    "after the replayed backward instead of before it")
+    return None

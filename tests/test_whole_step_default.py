@@ -1,0 +1,162 @@
+"""The strategy's default: the whole training step as one graph wherever that is provably safe.
+
+With ``graphs.whole_step`` unset, a step whose Python reads only its batch, submodules and watched values, and
+whose host reads are of constants, is captured and replayed (eager backend here: a replay runs the step again), and
+trains bit for bit like ``"ddp"``. Anything else gets per-layer graphs, announced in one line, not warned; what a
+replay relies on (watched attributes, train/eval modes, ``requires_grad``) is compared before each replay, and a
+change hands the rest of the run to per-layer graphs, still equal to ``"ddp"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, seed_everything
+
+from tests.helpers import cg_strategy, make_trainer
+from tests.lightning_models import ParityModel, loader
+from tests.lightning_runs import assert_same, train
+
+STEPS = 8  # warmup steps 0-1, capture in step 2, replays in steps 3-7
+
+
+class PlainStep(ParityModel):
+    """A training step that reads only its batch and submodules (``ParityModel``'s reads ``batch_idx``)."""
+
+    def __init__(self, scale: float = 1.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.scale = scale
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y) * self.scale
+        self.log("train_loss", loss)
+        return loss
+
+
+def _run(model, strategy, **kwargs):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        run = train(strategy, model, max_steps=kwargs.pop("max_steps", STEPS), **kwargs)
+    return run, [str(w.message) for w in record if "cg_lightning" in str(w.message)]
+
+
+@pytest.mark.parametrize("body", ["modulelist", "sequential", "linear"])
+def test_a_plain_step_is_replayed_from_one_graph_by_default_and_equals_ddp(body):
+    ref = train("ddp", lambda: PlainStep(body=body), max_steps=STEPS)
+    strategy = cg_strategy()
+    got, warned = _run(lambda: PlainStep(body=body), strategy)
+    assert_same(ref.facts(), got.facts())
+    stats = strategy.last_step_graph_stats
+    assert stats.captures == 1 and stats.replays == STEPS - 3 and stats.refusal is None, stats
+    assert warned == []  # a model without repeated layers ("linear") is graphed whole: nothing to warn about
+
+
+def test_a_step_that_reads_batch_idx_gets_per_layer_graphs_with_one_line_and_no_warning(caplog):
+    ref = train("ddp", ParityModel, max_steps=STEPS)
+    strategy = cg_strategy()
+    with caplog.at_level(logging.INFO):
+        got, warned = _run(ParityModel, strategy)
+    assert_same(ref.facts(), got.facts())
+    assert strategy.last_step_graph_stats.captures == 0
+    assert "reads its argument 'batch_idx'" in strategy.last_step_graph_stats.refusal
+    assert strategy.last_graph_stats.captures > 0  # the blocks are graphed instead
+    assert warned == []
+    lines = [r.getMessage() for r in caplog.records if "not captured as one graph" in r.getMessage()]
+    assert len(lines) == 1 and "per-layer graphs instead" in lines[0], lines
+
+
+def test_a_refused_model_without_layers_to_graph_is_warned_about():
+    class Linear(ParityModel):
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self(batch[0]), batch[1]) * (batch_idx + 1)
+
+    strategy = cg_strategy()
+    _, warned = _run(lambda: Linear(body="linear"), strategy)
+    assert len(warned) == 1 and "graphs.layers" in warned[0], warned
+
+
+class _SetsScale(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 5:
+            pl_module.scale = 0.5
+
+
+class _Freezes(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 5:
+            pl_module.body.blocks[0].requires_grad_(False)
+
+
+class _DropoutToEval(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 5:
+            pl_module.body.blocks[1].drop.eval()
+
+
+@pytest.mark.parametrize("callback, reason", [
+    (_SetsScale, "self.scale: 1.0 -> 0.5 after the step was captured"),
+    (_Freezes, "parameter 'body.blocks.0.fc.weight' was frozen after the step was captured"),
+    (_DropoutToEval, "module 'body.blocks.1.drop' was switched to eval mode after the step was captured"),
+])
+def test_a_change_the_replay_relies_on_hands_the_run_to_per_layer_graphs_and_still_equals_ddp(callback, reason):
+    def model():
+        return PlainStep(body="modulelist", dropout=0.1)
+
+    ref = train("ddp_find_unused_parameters_true", model, max_steps=STEPS, callbacks=[callback()])
+    strategy = cg_strategy(ddp={"find_unused_parameters": True})
+    got, _ = _run(model, strategy, callbacks=[callback()])
+    assert_same(ref.facts(), got.facts())
+    stats = strategy.last_step_graph_stats
+    assert stats.captures == 1 and stats.replays == 2 and reason in stats.refusal, stats
+
+
+def test_a_transformers_llama_step_is_replayed_by_default_with_its_constant_reads_answered():
+    hf = pytest.importorskip("tests.hf_models")
+    ref, _ = hf.fit_hf("ddp", hf.tiny_llama, steps=STEPS)
+    strategy = cg_strategy()
+    got, trainer = hf.fit_hf(strategy, hf.tiny_llama, steps=STEPS)
+    hf.assert_same_weights(got.model, ref.model)
+    stats = strategy.last_step_graph_stats
+    assert stats.captures == 1 and stats.replays == STEPS - 3 and stats.refusal is None, stats
+
+
+def test_whole_step_false_keeps_per_layer_graphs():
+    strategy = cg_strategy(whole_step=False)
+    ref = train("ddp", PlainStep, max_steps=STEPS)
+    got, _ = _run(PlainStep, strategy)
+    assert_same(ref.facts(), got.facts())
+    assert strategy.last_step_graph_stats is None and strategy.last_graph_stats.forward_replays > 0
+
+
+class _KeepsHistory(PlainStep):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.history = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss_of(batch)
+        self.history.append(loss.detach())
+        return loss
+
+    def loss_of(self, batch):
+        return super().training_step(batch, 0)  # super() is followed too
+
+
+def test_a_step_that_changes_a_value_it_reads_is_handed_to_per_layer_graphs_after_one_capture():
+    """``self.history.append(...)`` would happen only at capture: the capture's two runs start from the same
+    list, the change is seen, and the rest of the run has per-layer graphs; the history is as long as under
+    "ddp" and the training equal."""
+    ref = train("ddp", _KeepsHistory, max_steps=STEPS)
+    strategy = cg_strategy()
+    got, _ = _run(_KeepsHistory, strategy)
+    assert_same(ref.facts(), got.facts())
+    assert len(got.model.history) == len(ref.model.history) == STEPS
+    stats = strategy.last_step_graph_stats
+    assert stats.captures == 1 and stats.replays == 0, stats
+    assert "training_step changes what it reads (self.history: [tensor(" in stats.refusal, stats
