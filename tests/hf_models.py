@@ -62,6 +62,15 @@ def tiny_qwen2_moe(**overrides):
     return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**config, **overrides}))
 
 
+def tiny_mixtral(**overrides):
+    """A 2-layer ``MixtralForCausalLM``, 4 experts (2 per token), its default experts and the router's auxiliary
+    loss in the training loss (``output_router_logits=True``)."""
+    config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                  output_router_logits=True, router_aux_loss_coef=0.01, use_cache=False)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**config, **overrides}))
+
+
 class HFModule(LightningModule):
     """``build()``'s model trained on its own language-model loss; ``forward_kwargs`` go to every forward,
     ``prepare(model)`` runs on the built model (e.g. ``gradient_checkpointing_enable``)."""

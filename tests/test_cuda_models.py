@@ -367,3 +367,24 @@ def test_cuda_defaults_replay_the_whole_step_and_equal_ddp(deterministic, model)
 
     strategy, _ = _compare_whole_step(model + " defaults", fit, "bf16-mixed", graphs={"whole_step": None})
     assert strategy.last_step_graph_stats.refusal is None
+
+
+@pytest.mark.parametrize("model", ["mixtral-router-loss", "qwen2-moe"])
+def test_cuda_moe_models_with_no_options_are_graphed_and_equal_ddp(deterministic, model):
+    """No options: Mixtral with its router's auxiliary loss and Qwen2-MoE with its default experts. Whatever the
+    defaults choose (the whole step, or per-layer graphs with the decoder layers split), something is replayed from
+    graphs and the weights equal "ddp" within its own spread (0 with deterministic kernels)."""
+    hf = pytest.importorskip("tests.hf_models")
+    build = {"mixtral-router-loss": hf.tiny_mixtral, "qwen2-moe": hf.tiny_qwen2_moe}[model]
+    ref, _, _ = _fit_tokens("ddp", build, "32-true")
+    again, _, _ = _fit_tokens("ddp", build, "32-true")
+    strategy = cg_strategy("cuda")
+    got, _, _ = _fit_tokens(strategy, build, "32-true")
+    step, layers = strategy.last_step_graph_stats, strategy.last_graph_stats
+    spread = state_rel_diff(again.state_dict(), ref.state_dict())
+    weights = state_rel_diff(got.state_dict(), ref.state_dict())
+    print(f"{model} defaults: step replays {step.replays} (refusal: {step.refusal}), layer replays "
+          f"{layers.forward_replays if layers else 0}, split {layers.split_layers if layers else []}, graphed parts "
+          f"{len(layers.graphed_parts) if layers else 0}, weight diff {weights:.3g}, ddp spread {spread:.3g}")
+    assert step.replays > 0 or (layers is not None and layers.forward_replays > 0)
+    assert weights <= spread, (weights, spread)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from cg_lightning import GraphCaptureError
 from tests.engine_models import assert_grads_equal, batches, graphed_engine
 from tests.helpers import WARMUP, cg_strategy, make_trainer, state_rel_diff
-from tests.hf_models import HFModule, assert_same_weights, fit_hf, tiny_gpt2, tiny_llama, tiny_qwen2_moe
+from tests.hf_models import HFModule, assert_same_weights, fit_hf, tiny_gpt2, tiny_llama, tiny_mixtral, tiny_qwen2_moe
 from tests.recorders import LifecycleRecorder
 
 transformers = pytest.importorskip("transformers")
@@ -182,11 +182,12 @@ def test_layers_returning_a_model_output_with_none_fields_are_graphed():
     assert_grads_equal(got, ref, tol=0)
 
 
-def _fit_cg(build, callbacks=(), **module_kwargs):
+def _fit_cg(build, callbacks=(), graphs=None, **module_kwargs):
     """:func:`fit_hf` under the strategy with per-layer graphs; returns (module, graph stats, cg_lightning warnings)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, trainer = fit_hf(cg_strategy("eager", whole_step=False), build, callbacks=callbacks, **module_kwargs)
+        got, trainer = fit_hf(cg_strategy("eager", whole_step=False, **(graphs or {})), build, callbacks=callbacks,
+                              **module_kwargs)
     return got, trainer.strategy.last_graph_stats, [str(w.message) for w in caught if "cg_lightning" in str(w.message)]
 
 
@@ -274,15 +275,15 @@ def test_a_new_cache_object_every_step_is_said_not_silently_eager():
 @pytest.mark.parametrize("case", ["attentions", "router_logits"])
 def test_outputs_collected_inside_layers_run_those_steps_eagerly(case):
     """``output_attentions`` (hooks on the layers' attention) and ``output_router_logits`` (on an MoE layer's
-    gate, whose auxiliary loss joins the loss): the steps that ask for them run the layers eagerly, one warning,
-    weights equal."""
+    gate, whose auxiliary loss joins the loss), under ``on_capture_error="raise"``: the steps that ask for them run
+    the layers eagerly, one warning, weights equal (unset, such layers are split: the next test)."""
     if case == "attentions":
         build, forward = (lambda: tiny_llama(attn_implementation="eager")), dict(output_attentions=True)
     else:
         build, forward = tiny_qwen2_moe, dict(output_router_logits=True)
     kwargs = dict(forward_kwargs=forward)
     ref, _ = fit_hf("ddp", build, **kwargs)
-    got, stats, messages = _fit_cg(build, **kwargs)
+    got, stats, messages = _fit_cg(build, graphs={"on_capture_error": "raise"}, **kwargs)
     said = [m for m in messages if "collect outputs from inside the graphed layers" in m]
     assert len(said) == 1, messages
     assert stats.forward_replays == 0 and stats.fallback_calls > 0, stats
@@ -320,7 +321,7 @@ def test_moe_decoder_layers_split_attention_and_norms_graphed_experts_eager():
 def test_moe_decoder_layer_under_raise_names_the_library_line_and_suggests_split():
     with pytest.raises(GraphCaptureError, match=r"(?s)'model\.model\.layers\.0'.*host synchronization.*"
                                                 r"modeling_qwen2_moe\.py.*on_capture_error='split'"):
-        fit_hf(cg_strategy("eager", whole_step=False), moe_eager_experts, steps=3)
+        fit_hf(cg_strategy("eager", whole_step=False, on_capture_error="raise"), moe_eager_experts, steps=3)
 
 
 @pytest.mark.parametrize("case", ["attentions", "router_logits"])
@@ -341,4 +342,36 @@ def test_outputs_collected_inside_layers_under_split_graph_the_parts(case):
     stats = trainer.strategy.last_graph_stats
     assert "model.model.layers.0" in stats.split_layers and hooked in stats.graphed_parts, stats
     assert stats.forward_replays > 0 and stats.fallback_calls == 0, stats
+    assert_same_weights(got, ref)
+
+
+@pytest.mark.parametrize("build, split", [(tiny_mixtral, True), (tiny_qwen2_moe, False)],
+                         ids=["mixtral-router-loss", "qwen2-moe"])
+def test_moe_models_with_per_layer_graphs_and_no_capture_error_option_train_like_ddp(build, split):
+    """Mixtral trained with its router's auxiliary loss and Qwen2-MoE with its default (``grouped_mm``) experts,
+    per-layer graphs, ``on_capture_error`` unset: Mixtral's decoder layers hold the router whose logits the step
+    collects, so they are split (unset splits the layers chosen by default) and attention, norms and router are
+    graphed; Qwen2-MoE's layers capture whole on a CPU (on a GPU the experts' copy from host memory makes them
+    split too: tests/test_cuda_models.py). Weights equal to "ddp" bit for bit."""
+    ref, _ = fit_hf("ddp", build, steps=9)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got, trainer = fit_hf(cg_strategy("eager", whole_step=False), build, steps=9)
+    stats = trainer.strategy.last_graph_stats
+    assert stats.forward_replays > 0 and stats.fallback_calls == 0, stats
+    if split:
+        assert "model.model.layers.0" in stats.split_layers, stats
+        for part in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp.gate"):
+            assert f"model.model.layers.0.{part}" in stats.graphed_parts, (part, stats.graphed_parts)
+    else:
+        assert stats.split_layers == [] and stats.captured_runners == 2, stats
+    assert_same_weights(got, ref)
+
+
+@pytest.mark.parametrize("build", [tiny_mixtral, tiny_qwen2_moe], ids=["mixtral-router-loss", "qwen2-moe"])
+def test_moe_models_with_no_options_replay_the_whole_step_like_ddp(build):
+    ref, _ = fit_hf("ddp", build, steps=8)
+    got, trainer = fit_hf(cg_strategy("eager"), build, steps=8)
+    stats = trainer.strategy.last_step_graph_stats
+    assert stats.captures == 1 and stats.replays == 8 - 3 and stats.refusal is None, stats
     assert_same_weights(got, ref)

@@ -57,7 +57,7 @@ class CaptureFailures:
         try:
             guards.refuse_capture_only_hooks(layer.name, layer.module)
         except guards.GraphCaptureError as exc:
-            if self.options.on_capture_error == "raise":
+            if self.options.capture_error_policy == "raise":
                 raise
             self.failed(layer, exc)
             return
@@ -65,7 +65,7 @@ class CaptureFailures:
             if at_call:
                 guards.refuse_saved_tensor_hooks(layer.name)
         except guards.GraphCaptureError as exc:
-            if self.options.on_capture_error == "raise":
+            if self.options.capture_error_policy == "raise":
                 raise
             self.failed(layer, exc, splittable=False)  # its parts would run under the same checkpoint
 
@@ -75,7 +75,7 @@ class CaptureFailures:
         checked for early refusals at once; returns ``True`` then. Else it runs eagerly from now on."""
         self.selection.note(layer, exc)
         why = ""
-        if self.options.on_capture_error == "split":
+        if self.options.capture_error_policy == "split":
             why = self.selection.why_not_split(layer) if splittable else "its parts would meet the same cause"
             if not why:
                 self.cache.forget_layer(layer)
@@ -97,7 +97,7 @@ class CaptureFailures:
         if warn:
             warnings.warn(
                 f"cg_lightning: layer {layer.name!r} could not be captured and runs eagerly from now on "
-                f"(graphs.on_capture_error={self.options.on_capture_error!r}{why}); the other layers stay "
+                f"(graphs.on_capture_error={self.options.capture_error_policy!r}{why}); the other layers stay "
                 f"graphed. Cause: {layer.failure}",
                 stacklevel=6,
             )

@@ -288,7 +288,7 @@ class GraphManager:
             self._mode, self._recording = StepMode.RECORD, self._warmup_record
             return
         if self._observers.active():
-            if self.options.on_capture_error == "split" and self._split_at_active_observers():
+            if self.options.capture_error_policy == "split" and self._split_at_active_observers():
                 self._start_of_step(args, kwargs)  # this step records the parts' calls, the next captures
                 return
             self._mode = StepMode.EAGER  # transformers collects outputs from inside the layers in this step

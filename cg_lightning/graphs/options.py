@@ -47,8 +47,8 @@ class GraphOptions:
     max_graph_sets: int = field(default=4, metadata=at_least(1))
     """Most graph sets under ``"recapture"`` and eval-graph keys per layer (>= 1); later new ones run eagerly."""
 
-    on_capture_error: str = field(default="raise", metadata=one_of(CAPTURE_ERROR_POLICIES))
-    """A layer whose capture fails: ``"raise"`` stops training, ``"eager"`` runs it eagerly, ``"split"`` graphs its parts instead."""
+    on_capture_error: Optional[str] = field(default=None, metadata=one_of(CAPTURE_ERROR_POLICIES + (None,)))
+    """A layer whose capture fails: ``"raise"``, ``"eager"`` or ``"split"`` (graph its parts); ``None``: split if chosen by default, else raise."""
 
     capture_optimizer: bool = False
     """Lightning only: replay ``optimizer.step()`` from a graph (``capturable`` optimizers); not bit-exact."""
@@ -81,3 +81,12 @@ class GraphOptions:
         check_options(self, "graphs")
         if self.layers is not None:
             self.layers = list(self.layers)
+
+    @property
+    def capture_error_policy(self) -> str:
+        """``on_capture_error`` as it applies: unset, ``"split"`` for the layers chosen by default (a layer that
+        cannot be captured whole, an MoE decoder layer, gets its parts graphed) and ``"raise"`` for the layers
+        named in ``layers`` (the user asked for exactly those)."""
+        if self.on_capture_error is not None:
+            return self.on_capture_error
+        return "split" if self.layers is None else "raise"

@@ -115,7 +115,7 @@ class SetCapture:
 
         try:
             calls, runners = capture_calls(calls, lambda call: self._runner(call, grad_ready), self.model,
-                                           self.options.on_capture_error, failed,
+                                           self.options.capture_error_policy, failed,
                                            segments_of=_segments_without_parts if self.options.segments else None)
             for call, runner in zip(calls, runners):
                 segment = runner.segment
