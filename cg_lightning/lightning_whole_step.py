@@ -95,6 +95,11 @@ class LightningWholeStep:
         if reason is None and self.auto:
             if self.options.capture_optimizer:
                 return "graphs.capture_optimizer is set, which captures the optimizer step beside per-layer graphs"
+            manager = self.strategy.driver.graph_manager
+            if manager is not None and any(layer.compiled for layer in manager.layers):
+                return ("the graphed layers' forwards are compiled one by one (graphs.compile, or layer.forward = "
+                        "torch.compile(...)), which per-layer graphs capture; compile the whole model for a graph of "
+                        "the whole step")
             self.code = check_step_code(self.strategy.lightning_module, "training_step", free_args=1,
                                         recorded=("log", "log_dict"), framework=FRAMEWORK)
             reason = self.code.refusal

@@ -160,3 +160,19 @@ def test_a_step_that_changes_a_value_it_reads_is_handed_to_per_layer_graphs_afte
     stats = strategy.last_step_graph_stats
     assert stats.captures == 1 and stats.replays == 0, stats
     assert "training_step changes what it reads (self.history: [tensor(" in stats.refusal, stats
+
+
+def test_layers_compiled_one_by_one_keep_per_layer_graphs():
+    """Layers whose forward is compiled (``graphs.compile``) are per-layer graphs' business: the default does not
+    capture the whole step around them, and says so."""
+    strategy = cg_strategy(compile=True, compile_backend="aot_eager")
+    ref = train("ddp", PlainStep, max_steps=STEPS)
+    torch._dynamo.reset()
+    try:
+        got, _ = _run(PlainStep, strategy)
+    finally:
+        torch._dynamo.reset()
+    assert "forwards are compiled one by one" in strategy.last_step_graph_stats.refusal
+    assert strategy.last_graph_stats.forward_replays > 0
+    for (name, p), q in zip(got.model.named_parameters(), ref.model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), name  # aot_eager decomposes ops: not bit-equal

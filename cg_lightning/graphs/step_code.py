@@ -41,7 +41,7 @@ SAFE_BUILTINS = frozenset({
     "NotImplementedError", "RuntimeError", "TypeError", "ValueError",
 })
 #: modules whose attributes a step may read (their functions compute from their arguments)
-SAFE_MODULES = ("torch", "math", "operator", "einops")
+SAFE_MODULES = ("torch", "math", "operator", "einops", "cg_lightning")
 #: properties of a LightningModule that stay the same through a fit
 CONSTANT_PROPERTIES = frozenset({"device", "dtype", "global_rank", "local_rank"})
 
