@@ -16,7 +16,7 @@ def _pair(precision: str, steps: int, at_steps=()):
         "ddp", steps=steps, accelerator="gpu", precision=precision, model_kwargs=CUDA_MODEL, data_kwargs=CUDA_DATA,
         at_steps=at_steps,
     )
-    strategy = cg_strategy("cuda")
+    strategy = cg_strategy("cuda", whole_step=False)
     cg_model, cg, _ = train_in_process(
         strategy, steps=steps, accelerator="gpu", precision=precision, model_kwargs=CUDA_MODEL, data_kwargs=CUDA_DATA,
         at_steps=at_steps,
@@ -54,7 +54,7 @@ def test_cuda_tied_weights_recomputed_loss_accumulation():
     from tests.helpers import train_plain_pytorch
 
     model = dict(CUDA_MODEL, tie_weights=True, bias=False, recompute_loss=True)
-    strategy = cg_strategy("cuda")
+    strategy = cg_strategy("cuda", whole_step=False)
     cg_model, cg, _ = train_in_process(strategy, steps=12, accelerator="gpu", model_kwargs=model,
                                        data_kwargs=CUDA_DATA, accumulate=4, record_batches=True)
     ref_model, ref_losses = train_plain_pytorch(cg.batches, model_kwargs=model, accumulate=4, device="cuda")
@@ -75,7 +75,7 @@ def test_cuda_block_applied_twice_with_recomputation():
     model = dict(CUDA_MODEL, recompute_blocks=True, block_schedule=[0, 0, 1, 2, 3])
     ref_model, ref, _ = train_in_process(DDPStrategy(static_graph=True), steps=12, accelerator="gpu",
                                          model_kwargs=model, data_kwargs=CUDA_DATA)
-    strategy = cg_strategy("cuda")
+    strategy = cg_strategy("cuda", whole_step=False)
     cg_model, cg, _ = train_in_process(strategy, steps=12, accelerator="gpu", model_kwargs=model, data_kwargs=CUDA_DATA)
     assert strategy.last_graph_stats.captured_runners == 5
     loss_diff = max_rel_diff(cg.losses, ref.losses)

@@ -19,7 +19,8 @@ TEXT = dict(DATA, max_bytes=300_000)
 
 
 def _cg(backend="eager", direct=True, **graphs):
-    return cg_strategy(backend, direct_grad_ready=direct, **graphs)
+    """Per-layer graphs (direct grad-ready is theirs), ``direct_grad_ready`` as given."""
+    return cg_strategy(backend, direct_grad_ready=direct, **{"whole_step": False, **graphs})
 
 
 def _block_params(model, i):
@@ -137,7 +138,7 @@ def test_two_processes_gloo_direct_grad_ready_equals_ddp(tmp_path):
               "--block-size", "16"]
     ref = train_subprocess(str(tmp_path / "ddp.pt"), "--strategy", "ddp", *common)
     cg = train_subprocess(str(tmp_path / "cg.pt"), "--strategy", "cudagraph_ddp", "--backend", "eager",
-                          "--direct-grad-ready", "--segments", *common)
+                          "--direct-grad-ready", "--segments", "--whole-step", "false", *common)
     assert cg["stats"]["direct_ready_params"] == 4 * 12
     assert max_rel_diff(cg["losses"], ref["losses"]) < 1e-5
     assert state_rel_diff(cg["state"], ref["state"]) < 1e-5

@@ -29,7 +29,8 @@ def test_validation_and_sanity_check_replay_eval_graphs_like_ddp(accelerator, ba
     kw = dict(val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=2)
     ref_life, life = LifecycleRecorder(), LifecycleRecorder()
     ref_model, ref, _, _ = fit_gpt("ddp", steps, callbacks=[ref_life], accelerator=accelerator, **kw)
-    model, rec, trainer, _ = fit_gpt(strategy_for("cg", backend, capture_eval=True), steps, callbacks=[life],
+    model, rec, trainer, _ = fit_gpt(strategy_for("cg", backend, capture_eval=True, whole_step=False), steps,
+                                     callbacks=[life],
                                      accelerator=accelerator, **kw)
     stats = trainer.strategy.last_graph_stats
     val_batches = sum(r[1] for r in life.val_runs)

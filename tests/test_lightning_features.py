@@ -24,7 +24,7 @@ from tests.recorders import LifecycleRecorder
 
 def _fit(strategy_name: str, steps: int = 8, backend: str = "eager", **kwargs):
     """Fit the tiny GPT under ``"ddp"`` or ``"cudagraph_ddp"``; returns (model, GradRecorder, trainer, data)."""
-    return fit_gpt(strategy_for(strategy_name, backend), steps, **kwargs)
+    return fit_gpt(strategy_for(strategy_name, backend, whole_step=False), steps, **kwargs)  # per-layer graphs
 
 
 def _print_diffs(rec, ref, model, ref_model) -> None:
