@@ -20,7 +20,8 @@ from tests.helpers import MODEL, PARITY_MODEL, cg_strategy, fit_gpt, make_traine
 
 
 def _strategy(**graphs):
-    return cg_strategy(**{"warmup_steps": 1, **graphs})
+    """Per-layer graphs (what these tests count), one warmup step unless ``graphs`` says otherwise."""
+    return cg_strategy(**{"warmup_steps": 1, "whole_step": False, **graphs})
 
 
 def test_callback_overrides_strategy_warmup_steps():
@@ -105,7 +106,7 @@ def test_graph_state_text():
 
 def test_graph_monitor_metrics_reach_csv_logger(tmp_path):
     seed_everything(3)
-    trainer = make_trainer(cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2}), 12,
+    trainer = make_trainer(cg_lightning.CUDAGraphDDPStrategy(graphs={"warmup_steps": 2, "whole_step": False}), 12,
                            [GraphMonitor(log_every_n_steps=4)], logger=CSVLogger(tmp_path), log_every_n_steps=1)
     trainer.fit(GPTLightningModule(**MODEL),
                 datamodule=TextDataModule(block_size=16, batch_size=2, max_bytes=60_000))

@@ -20,7 +20,8 @@ STEPS = 9  # three epochs: batch sizes 4 4 2 | 4 4 2 | 4 4 2
 
 
 def _strategy(**graphs):
-    return cg_strategy(**{"warmup_steps": 1, **graphs})
+    """Per-layer graphs (what these tests count), one warmup step unless ``graphs`` says otherwise."""
+    return cg_strategy(**{"warmup_steps": 1, "whole_step": False, **graphs})
 
 
 @pytest.fixture(scope="module")

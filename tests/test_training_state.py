@@ -160,11 +160,11 @@ def test_dropout_reproducible_and_matches_ddp():
     steps, warmup = 8, 2
     mk = {"dropout": 0.1}
 
-    s1, s2 = cg_strategy(warmup_steps=warmup), cg_strategy(warmup_steps=warmup)
+    s1, s2 = cg_strategy(warmup_steps=warmup, whole_step=False), cg_strategy(warmup_steps=warmup, whole_step=False)
     m1, r1, _ = train_in_process(s1, steps=steps, model_kwargs=mk)
     m2, r2, _ = train_in_process(s2, steps=steps, model_kwargs=mk)
     ref_model, ref, _ = train_in_process("ddp", steps=steps, model_kwargs=mk)
-    _, plain, _ = train_in_process(cg_strategy(warmup_steps=warmup), steps=steps, model_kwargs={"dropout": 0.0})
+    _, plain, _ = train_in_process(cg_strategy(warmup_steps=warmup, whole_step=False), steps=steps, model_kwargs={"dropout": 0.0})
 
     assert s1.last_graph_stats.forward_replays == 2 * (steps - warmup)
     assert len(r1.losses) == steps
@@ -219,7 +219,7 @@ def test_resume_mid_epoch_continues_bit_for_bit(strategy_name, tmp_path):
             return "ddp"
     else:
         def make():
-            return cg_strategy(warmup_steps=warmup)
+            return cg_strategy(warmup_steps=warmup, whole_step=False)
 
     full_model, full = fit_whole_epochs(make(), TOTAL)
     first, resumed, model, strategy = _interrupted_run(make, tmp_path)

@@ -38,7 +38,7 @@ SAFE_BUILTINS = frozenset({
     "isinstance", "issubclass", "len", "list", "map", "max", "min", "range", "reversed", "round", "set", "slice",
     "sorted", "str", "sum", "tuple", "type", "zip", "None", "True", "False", "NotImplemented", "Ellipsis",
     "ArithmeticError", "AssertionError", "AttributeError", "Exception", "IndexError", "KeyError",
-    "NotImplementedError", "RuntimeError", "TypeError", "ValueError",
+    "NotImplementedError", "RuntimeError", "TypeError", "ValueError"
 })
 #: modules whose attributes a step may read (their functions compute from their arguments)
 SAFE_MODULES = ("torch", "math", "operator", "einops", "cg_lightning")
@@ -46,7 +46,7 @@ SAFE_MODULES = ("torch", "math", "operator", "einops", "cg_lightning")
 CONSTANT_PROPERTIES = frozenset({"device", "dtype", "global_rank", "local_rank"})
 
 
-class _Refused(Exception):
+class _Refused(Exception):  # why the step cannot be frozen
     pass
 
 
@@ -66,24 +66,19 @@ def _trusted(obj: Any) -> bool:
     return any(name == m or name.startswith(m + ".") for m in SAFE_MODULES)
 
 
-def _loaded_name(ins: dis.Instruction) -> Optional[str]:
-    """The name a local-variable load leaves on top of the stack (``LOAD_FAST``, ``LOAD_DEREF``, and the fused
-    two-variable loads of 3.13+, whose second name ends on top), else ``None``."""
-    op = ins.opname
-    if op.startswith("LOAD_FAST") or op in ("LOAD_DEREF", "LOAD_CLOSURE"):
-        value = ins.argval
-        if isinstance(value, tuple):
-            return value[-1]
-        return value if isinstance(value, str) else None
-    return None
-
-
 def _read_names(ins: dis.Instruction) -> Tuple[str, ...]:
-    op = ins.opname
-    if op.startswith("LOAD_FAST") or op in ("LOAD_DEREF", "LOAD_CLOSURE"):
+    """The local variables a load reads (``LOAD_FAST`` and its variants, ``LOAD_DEREF``; the fused two-variable
+    loads of 3.13+ read two, the second ending on top of the stack), else ``()``."""
+    if ins.opname.startswith("LOAD_FAST") or ins.opname in ("LOAD_DEREF", "LOAD_CLOSURE"):
         value = ins.argval
         return tuple(value) if isinstance(value, tuple) else ((value,) if isinstance(value, str) else ())
     return ()
+
+
+def _loaded_name(ins: dis.Instruction) -> Optional[str]:
+    """The variable a load leaves on top of the stack, else ``None``."""
+    names = _read_names(ins)
+    return names[-1] if names else None
 
 
 class _Reader:
@@ -293,11 +288,8 @@ def check_step_code(owner: nn.Module, method: str, *, free_args: int = 1, record
     if not isinstance(fn, types.FunctionType):
         return StepCodeReport(refusal=f"{type(owner).__name__}.{method} is not a Python function")
     code = fn.__code__
-    args = list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
-    if code.co_flags & inspect.CO_VARARGS:
-        args.append(code.co_varnames[len(args)])
-    if code.co_flags & inspect.CO_VARKEYWORDS:
-        args.append(code.co_varnames[len(args)])
+    starred = bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    args = list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + starred])
     if not args:
         return StepCodeReport(refusal=f"{type(owner).__name__}.{method} takes no self")
     reader = _Reader(owner, recorded, framework)
