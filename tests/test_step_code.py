@@ -127,6 +127,21 @@ def _object_attribute(self, batch, batch_idx):
     return self.shared(batch) if self.table else None
 
 
+def _seeds(self, batch, batch_idx):
+    torch.manual_seed(0)
+    return self.shared(batch)
+
+
+def _counter():
+    calls = 0
+
+    def step(self, batch, batch_idx):
+        nonlocal calls
+        calls += 1
+        return self.shared(batch)
+    return step
+
+
 def _imports(self, batch, batch_idx):
     import time
     return self.shared(batch) * time.time()
@@ -146,6 +161,8 @@ def _imports(self, batch, batch_idx):
     (_global_list, "reads the global 'GLOBAL_LIST', a list"),
     (_object_attribute, "reads self.table, a object"),
     (_imports, "imports 'time'"),
+    (_seeds, "calls manual_seed()"),
+    (_counter(), "assigns the closure variable 'calls'"),
 ])
 def test_steps_that_read_what_changes_between_steps_are_refused_naming_it(step, expect):
     report = _check(step)

@@ -42,6 +42,9 @@ SAFE_BUILTINS = frozenset({
 })
 #: modules whose attributes a step may read (their functions compute from their arguments)
 SAFE_MODULES = ("torch", "math", "operator", "einops", "cg_lightning")
+#: torch functions with effects on the host that a replay would not repeat (RNG seeding, files, global defaults)
+HOST_EFFECTS = frozenset({"manual_seed", "seed", "set_rng_state", "save", "load", "set_default_dtype",
+                          "set_default_device", "set_printoptions", "use_deterministic_algorithms"})
 #: properties of a LightningModule that stay the same through a fit
 CONSTANT_PROPERTIES = frozenset({"device", "dtype", "global_rank", "local_rank"})
 
@@ -130,6 +133,11 @@ class _Reader:
                 raise _Refused(f"{where} assigns the global {cur.argval!r}")
             elif op in ("STORE_ATTR", "DELETE_ATTR"):  # on self, a submodule or any object: state kept past the step
                 raise _Refused(f"{where} assigns the attribute {cur.argval!r}, which would happen only at capture")
+            elif op in ("STORE_DEREF", "DELETE_DEREF") and cur.argval in closure:  # nonlocal state of a closure
+                raise _Refused(f"{where} assigns the closure variable {cur.argval!r}, which would happen only at "
+                               "capture")
+            elif op in ("LOAD_ATTR", "LOAD_METHOD") and cur.argval in HOST_EFFECTS:
+                raise _Refused(f"{where} calls {cur.argval}(), whose effect on the host would happen only at capture")
             elif op == "IMPORT_NAME":
                 module = str(cur.argval)
                 if not any(module == m or module.startswith(m + ".") for m in SAFE_MODULES):
