@@ -252,10 +252,8 @@ class _Reader:
                 raise _Refused(f"{what}, a function of the training framework that is not followed")
             self.follow(value, value.__qualname__, what, depth, is_method=False)
             return
-        if isinstance(value, type) and issubclass(value, nn.Module):
-            return  # a module class, built in the step: its forward is model code
-        if isinstance(value, nn.Module):
-            return
+        if isinstance(value, nn.Module) or (isinstance(value, type) and issubclass(value, nn.Module)):
+            return  # a module, or a module class built in the step: its forward is model code
         kind = "module" if isinstance(value, types.ModuleType) else type(value).__name__
         raise _Refused(f"{what}, a {kind} that may change between steps or is not followed")
 
