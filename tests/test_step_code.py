@@ -38,6 +38,7 @@ class Base(LightningModule):
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.body.history = []
         self.alpha = 0.5
         self.kwargs = {"reduction": "mean"}
         self.opts = ["a"]
@@ -68,7 +69,8 @@ def _ok_helpers(self, batch, batch_idx):
     return self.shared(batch) + 1e-4 * reg + F.mse_loss(self(batch[0]), batch[1], **self.kwargs)
 
 
-@pytest.mark.parametrize("step, watched", [(_ok_plain, ("alpha",)), (_ok_helpers, ("kwargs",))])
+@pytest.mark.parametrize("step, watched", [(_ok_plain, ("global GLOBAL_SCALE", "alpha")),
+                                           (_ok_helpers, ("global GLOBAL_SCALE", "kwargs"))])
 def test_steps_that_read_only_the_batch_modules_and_watched_values_are_accepted(step, watched):
     report = _check(step)
     assert report.refusal is None, report.refusal
@@ -142,6 +144,24 @@ def _counter():
     return step
 
 
+def _submodule_state(self, batch, batch_idx):
+    return self.shared(batch) * len(self.body.history)
+
+
+def _mutable_default(self, batch, batch_idx, seen=[]):  # noqa: B006 - the case under test
+    seen.append(1)
+    return self.shared(batch)
+
+
+def _counted(step):
+    calls = []
+
+    def wrapper(self, batch, batch_idx):
+        calls.append(self.trainer.global_step)
+        return step(self, batch, batch_idx)
+    return wrapper
+
+
 def _imports(self, batch, batch_idx):
     import time
     return self.shared(batch) * time.time()
@@ -162,6 +182,9 @@ def _imports(self, batch, batch_idx):
     (_object_attribute, "reads self.table, a object"),
     (_imports, "imports 'time'"),
     (_seeds, "calls manual_seed()"),
+    (_submodule_state, "reads self.body.history, state of a submodule"),
+    (_mutable_default, "has a mutable default argument"),
+    (_counted(_ok_plain), "reads the closure variable 'calls', a list"),
     (_counter(), "assigns the closure variable 'calls'"),
 ])
 def test_steps_that_read_what_changes_between_steps_are_refused_naming_it(step, expect):
@@ -182,13 +205,39 @@ def test_a_torchmetrics_metric_called_in_the_step_is_refused():
     assert report.refusal is not None and "self.metric, a MeanSquaredError" in report.refusal, report.refusal
 
 
+def test_class_attributes_globals_and_lists_inside_tuples_are_watched_by_value():
+    global GLOBAL_SCALE
+
+    def step(self, batch, batch_idx):
+        return self.shared(batch) * self.level * len(self.pair[0])
+
+    cls = type("Step", (Base,), {"training_step": step, "level": 1.0})
+    module = cls()
+    module.pair = ([1],)
+    report = check_step_code(module, "training_step", framework=FRAMEWORK)
+    assert report.refusal is None and set(report.watched) == {"level", "pair", "global GLOBAL_SCALE"}, report
+    kept = report.values()
+    module.pair[0].append(2)  # inside a tuple: the kept copy still holds [1]
+    assert report.changed(module, kept) == "self.pair: ([1],) -> ([1, 2],)"
+    module.pair[0].pop()
+    cls.level = 2.0  # a class attribute changed at run time
+    assert report.changed(module, kept) == "self.level: 1.0 -> 2.0"
+    cls.level = 1.0
+    old, GLOBAL_SCALE = GLOBAL_SCALE, 3.0
+    try:
+        assert report.changed(module, kept) == "global GLOBAL_SCALE: 2.0 -> 3.0"
+    finally:
+        GLOBAL_SCALE = old
+    assert report.changed(module, kept) is None
+
+
 def test_a_watched_value_changed_in_place_or_replaced_is_reported():
     def step(self, batch, batch_idx):
         return self.shared(batch) * self.alpha + len(self.opts)
 
     module = type("Step", (Base,), {"training_step": step})()
     report = check_step_code(module, "training_step", framework=FRAMEWORK)
-    assert report.refusal is None and report.watched == ("alpha", "opts")
+    assert report.refusal is None and report.watched == ("global GLOBAL_SCALE", "alpha", "opts")
     kept = report.values(module)
     assert report.changed(module, kept) is None
     module.opts.append("b")  # in place: the kept copy still holds the old list

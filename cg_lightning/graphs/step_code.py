@@ -22,66 +22,19 @@ from __future__ import annotations
 import dis
 import inspect
 import types
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.nn as nn
 
-from ..torch_compat import OP_TYPES
-from .watched import StepCodeReport, comparable, immutable
+from .bytecode import (CONSTANT_PROPERTIES, HOST_EFFECTS, SAFE_BUILTINS, SAFE_MODULES, framework_defined, loaded_name,
+                       name_of, read_names, trusted)
+from .watched import StepCodeReport, Watch, closure_value, comparable, global_value, immutable, self_attribute
 
 MAX_DEPTH = 4  #: calls followed below the step method
 
-#: builtins a step may call: pure functions of their arguments
-SAFE_BUILTINS = frozenset({
-    "abs", "all", "any", "bool", "dict", "divmod", "enumerate", "filter", "float", "frozenset", "hasattr", "int",
-    "isinstance", "issubclass", "len", "list", "map", "max", "min", "range", "reversed", "round", "set", "slice",
-    "sorted", "str", "sum", "tuple", "type", "zip", "None", "True", "False", "NotImplemented", "Ellipsis",
-    "ArithmeticError", "AssertionError", "AttributeError", "Exception", "IndexError", "KeyError",
-    "NotImplementedError", "RuntimeError", "TypeError", "ValueError"
-})
-#: modules whose attributes a step may read (their functions compute from their arguments)
-SAFE_MODULES = ("torch", "math", "operator", "einops", "cg_lightning")
-#: torch functions with effects on the host that a replay would not repeat (RNG seeding, files, global defaults)
-HOST_EFFECTS = frozenset({"manual_seed", "seed", "set_rng_state", "save", "load", "set_default_dtype",
-                          "set_default_device", "set_printoptions", "use_deterministic_algorithms"})
-#: properties of a LightningModule that stay the same through a fit
-CONSTANT_PROPERTIES = frozenset({"device", "dtype", "global_rank", "local_rank"})
-
-
 class _Refused(Exception):  # why the step cannot be frozen
     pass
-
-
-_CODE_KINDS = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
-               type) + OP_TYPES
-
-
-def _trusted(obj: Any) -> bool:
-    """A module of :data:`SAFE_MODULES`, or a function or class defined in one: code whose behaviour depends only on
-    its arguments. Instances (a tensor, a generator) are not."""
-    if isinstance(obj, types.ModuleType):
-        name = obj.__name__
-    elif isinstance(obj, _CODE_KINDS):
-        name = getattr(obj, "__module__", None) or ""
-    else:
-        return False
-    return any(name == m or name.startswith(m + ".") for m in SAFE_MODULES)
-
-
-def _read_names(ins: dis.Instruction) -> Tuple[str, ...]:
-    """The local variables a load reads (``LOAD_FAST`` and its variants, ``LOAD_DEREF``; the fused two-variable
-    loads of 3.13+ read two, the second ending on top of the stack), else ``()``."""
-    if ins.opname.startswith("LOAD_FAST") or ins.opname in ("LOAD_DEREF", "LOAD_CLOSURE"):
-        value = ins.argval
-        return tuple(value) if isinstance(value, tuple) else ((value,) if isinstance(value, str) else ())
-    return ()
-
-
-def _loaded_name(ins: dis.Instruction) -> Optional[str]:
-    """The variable a load leaves on top of the stack, else ``None``."""
-    names = _read_names(ins)
-    return names[-1] if names else None
 
 
 class _Reader:
@@ -89,32 +42,36 @@ class _Reader:
         self.owner = owner
         self.recorded = set(recorded)
         self.framework = tuple(framework)
-        self.watched: Dict[str, None] = {}
+        self.watches: Dict[str, Watch] = {}
         self.functions: List[str] = []
         self.seen: Set[Any] = set()
 
     # ------------------------------------------------------------ functions
     def function(self, fn: Callable, *, self_name: Optional[str], refused_args: Sequence[str], depth: int) -> None:
-        fn = inspect.unwrap(fn)
-        code = getattr(fn, "__code__", None)
+        code = getattr(fn, "__code__", None)  # a decorated function is read as the wrapper it is
         if code is None:
-            raise _Refused(f"calls {_name(fn)}, which is not Python code that can be read")
+            raise _Refused(f"calls {name_of(fn)}, which is not Python code that can be read")
         if code in self.seen:
             return
         if code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR):
-            raise _Refused(f"calls {_name(fn)}, a generator or coroutine, whose steps are not followed")
+            raise _Refused(f"calls {name_of(fn)}, a generator or coroutine, whose steps are not followed")
         self.seen.add(code)
-        self.functions.append(_name(fn))
-        closure = dict(zip(code.co_freevars, [c.cell_contents for c in (fn.__closure__ or ())]))
-        self.code(code, fn, self_name=self_name, refused_args=set(refused_args), closure=closure, depth=depth)
+        self.functions.append(name_of(fn))
+        defaults = list(getattr(fn, "__defaults__", None) or ()) + list((getattr(fn, "__kwdefaults__", None) or {}).values())
+        if any(not immutable(d) and not trusted(d) for d in defaults):
+            raise _Refused(f"{name_of(fn)} has a mutable default argument, which keeps state from call to call")
+        cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
+        closure = {name: cell.cell_contents for name, cell in cells.items()}
+        self.code(code, fn, self_name=self_name, refused_args=set(refused_args), closure=closure, depth=depth,
+                  cells=cells)
 
     def code(self, code: types.CodeType, fn: Callable, *, self_name: Optional[str], refused_args: Set[str],
-             closure: Dict[str, Any], depth: int) -> None:
-        where = _name(fn)
+             closure: Dict[str, Any], depth: int, cells: Dict[str, Any]) -> None:
+        where = name_of(fn)
         ins = list(dis.get_instructions(code))
         for i, cur in enumerate(ins):
             op = cur.opname
-            names = _read_names(cur)
+            names = read_names(cur)
             if self_name is not None and self_name in names[:-1]:
                 raise _Refused(f"{where} hands self to other code, whose reads of it are not followed")
             for name in names:
@@ -122,7 +79,10 @@ class _Reader:
                     raise _Refused(f"{where} reads its argument {name!r}, which changes from step to step")
                 if op in ("LOAD_DEREF", "LOAD_CLOSURE") and name in closure and name != self_name:
                     self.value(closure[name], f"{where} reads the closure variable {name!r}", depth)
-            if self_name is not None and _loaded_name(cur) == self_name:
+                    cell = cells.get(name)
+                    if cell is not None and comparable(closure[name]):
+                        self.watches.setdefault(f"closure {name}", closure_value(cell, name))
+            if self_name is not None and loaded_name(cur) == self_name:
                 self.self_use(ins, i, where, depth)
             if op in ("LOAD_GLOBAL", "LOAD_NAME") and cur.argval == "super" and self_name is not None \
                     and "super" not in getattr(fn, "__globals__", {}):
@@ -144,7 +104,8 @@ class _Reader:
                     raise _Refused(f"{where} imports {module!r}")
         for const in code.co_consts:
             if isinstance(const, types.CodeType):  # comprehensions (before 3.12), lambdas, inner functions
-                self.code(const, fn, self_name=self_name, refused_args=refused_args, closure=closure, depth=depth)
+                self.code(const, fn, self_name=self_name, refused_args=refused_args, closure=closure, depth=depth,
+                          cells=cells)
 
     # ------------------------------------------------------------ self
     def self_use(self, ins: List[dis.Instruction], i: int, where: str, depth: int) -> None:
@@ -152,6 +113,9 @@ class _Reader:
         prev = ins[i - 1] if i > 0 else None
         if nxt is not None and nxt.opname in ("LOAD_ATTR", "LOAD_METHOD"):
             self.self_attr(str(nxt.argval), where, depth)
+            child = self.owner._modules.get(str(nxt.argval))
+            if child is not None:
+                self.submodule_chain(child, f"self.{nxt.argval}", ins, i + 2, where)
         elif nxt is not None and nxt.opname == "LOAD_SUPER_ATTR":
             return  # super().name: followed from the load of super (:meth:`super_call`)
         elif nxt is not None and nxt.opname in ("STORE_ATTR", "DELETE_ATTR"):
@@ -159,10 +123,29 @@ class _Reader:
         elif (prev is not None and prev.opname == "PUSH_NULL") or (nxt is not None and nxt.opname == "PUSH_NULL"):
             # self(...): the module's forward
             forward = type(self.owner).forward
-            if not _framework_defined(forward, self.framework) and not _trusted(forward):
+            if not framework_defined(forward, self.framework) and not trusted(forward):
                 self.follow(forward, "self.forward", where, depth, is_method=True)
         else:
             raise _Refused(f"{where} hands self to other code, whose reads of it are not followed")
+
+    def submodule_chain(self, sub: nn.Module, path: str, ins: List[dis.Instruction], j: int, where: str) -> None:
+        """``self.sub.x...``: submodules, parameters, buffers and torch's own methods (``parameters()``) may be read
+        through a submodule; its other attributes and methods are state the replay would not see change."""
+        while j < len(ins) and ins[j].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            name = str(ins[j].argval)
+            children, params, buffers = sub._modules, sub._parameters, sub._buffers
+            if children.get(name) is not None:
+                sub, path, j = children[name], f"{path}.{name}", j + 1
+                continue
+            if name in params or name in buffers:
+                return
+            try:
+                static = inspect.getattr_static(sub, name)
+            except AttributeError:
+                static = None
+            if isinstance(static, types.FunctionType) and trusted(static) and name not in vars(sub):
+                return
+            raise _Refused(f"{where} reads {path}.{name}, state of a submodule that is not followed")
 
     def self_attr(self, name: str, where: str, depth: int) -> None:
         owner = self.owner
@@ -170,7 +153,7 @@ class _Reader:
             return
         if name in owner._modules:
             child = owner._modules[name]
-            if child is not None and any(_framework_defined(k, self.framework) for k in type(child).__mro__):
+            if child is not None and any(framework_defined(k, self.framework) for k in type(child).__mro__):
                 raise _Refused(f"{where} calls self.{name}, a {type(child).__name__} whose Python state (counts, "
                                "cached results) would change only at capture")
             return
@@ -184,11 +167,11 @@ class _Reader:
         if in_instance:
             value = vars(owner)[name]
             if isinstance(value, torch.Tensor) or comparable(value):
-                self.watched[name] = None  # compared before each replay (a tensor by identity)
+                self.watches.setdefault(name, self_attribute(owner, name))  # compared before each replay
                 return
-            if isinstance(value, nn.Module) or _trusted(value):
+            if isinstance(value, nn.Module) or trusted(value):
                 return
-            if isinstance(value, types.FunctionType) and not _framework_defined(value, self.framework):
+            if isinstance(value, types.FunctionType) and not framework_defined(value, self.framework):
                 self.follow(value, f"self.{name}", where, depth, is_method=False)
                 return
             raise _Refused(f"{where} reads self.{name}, a {type(value).__name__} whose contents may change between "
@@ -196,7 +179,7 @@ class _Reader:
         if isinstance(static, property):
             if name in CONSTANT_PROPERTIES:
                 return
-            if static.fget is None or _framework_defined(static.fget, self.framework):
+            if static.fget is None or framework_defined(static.fget, self.framework):
                 raise _Refused(f"{where} reads self.{name}, which changes during training (its value at capture "
                                "would be replayed)")
             self.follow(static.fget, f"self.{name}", where, depth, is_method=True)
@@ -204,13 +187,16 @@ class _Reader:
         if isinstance(static, (staticmethod, classmethod)):
             static = static.__func__
         if isinstance(static, types.FunctionType):
-            if _trusted(static):
+            if trusted(static):
                 return
-            if _framework_defined(static, self.framework):
+            if framework_defined(static, self.framework):
                 raise _Refused(f"{where} calls self.{name}(), which would run only at capture")
             self.follow(static, f"self.{name}", where, depth, is_method=True)
             return
-        if immutable(static) or _trusted(static):
+        if immutable(static):
+            self.watches.setdefault(name, self_attribute(owner, name))  # a class attribute, or one shadowing it later
+            return
+        if trusted(static):
             return
         raise _Refused(f"{where} reads self.{name}, a {type(static).__name__} that may change between steps")
 
@@ -226,9 +212,9 @@ class _Reader:
             target = next((vars(k)[name] for k in mro[here + 1:] if name in vars(k)), None)
         if not isinstance(target, types.FunctionType):
             raise _Refused(f"{where} calls super().{name}, which cannot be found without running the step")
-        if _trusted(target):
+        if trusted(target):
             return
-        if _framework_defined(target, self.framework):
+        if framework_defined(target, self.framework):
             raise _Refused(f"{where} calls super().{name}(), which would run only at capture")
         self.follow(target, f"super().{name}", where, depth, is_method=True)
 
@@ -237,6 +223,8 @@ class _Reader:
         globs = getattr(fn, "__globals__", {})
         if name in globs:
             self.value(globs[name], f"{where} reads the global {name!r}", depth)
+            if comparable(globs[name]):
+                self.watches.setdefault(f"global {name}", global_value(globs, name))
             return
         if name in SAFE_BUILTINS:
             return
@@ -245,10 +233,10 @@ class _Reader:
         raise _Refused(f"{where} calls the builtin {name!r}")
 
     def value(self, value: Any, what: str, depth: int) -> None:
-        if immutable(value) or _trusted(value):
+        if immutable(value) or trusted(value):
             return
         if isinstance(value, types.FunctionType):
-            if _framework_defined(value, self.framework):
+            if framework_defined(value, self.framework):
                 raise _Refused(f"{what}, a function of the training framework that is not followed")
             self.follow(value, value.__qualname__, what, depth, is_method=False)
             return
@@ -260,19 +248,9 @@ class _Reader:
     def follow(self, fn: Callable, label: str, where: str, depth: int, is_method: bool) -> None:
         if depth >= MAX_DEPTH:
             raise _Refused(f"{where} calls {label}, more than {MAX_DEPTH} calls deep")
-        fn = inspect.unwrap(fn)
         code = getattr(fn, "__code__", None)
         self_name = code.co_varnames[0] if is_method and code is not None and code.co_argcount else None
         self.function(fn, self_name=self_name, refused_args=(), depth=depth + 1)
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
-def _framework_defined(fn: Any, framework: Sequence[str]) -> bool:
-    module = getattr(fn, "__module__", "") or ""
-    return any(module == m or module.startswith(m + ".") for m in framework)
 
 
 def check_step_code(owner: nn.Module, method: str, *, free_args: int = 1, recorded: Sequence[str] = (),
@@ -298,9 +276,11 @@ def check_step_code(owner: nn.Module, method: str, *, free_args: int = 1, record
     args = list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + starred])
     if not args:
         return StepCodeReport(refusal=f"{type(owner).__name__}.{method} takes no self")
+    if code.co_flags & inspect.CO_VARARGS:  # the batch and batch_idx travel together in *args
+        return StepCodeReport(refusal=f"{type(owner).__name__}.{method} takes *args, which may carry batch_idx")
     reader = _Reader(owner, recorded, framework)
     try:
         reader.function(fn, self_name=args[0], refused_args=args[1 + free_args:], depth=0)
     except _Refused as exc:
         return StepCodeReport(refusal=str(exc), functions=reader.functions)
-    return StepCodeReport(watched=tuple(reader.watched), functions=reader.functions)
+    return StepCodeReport(watches=list(reader.watches.values()), functions=reader.functions)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -38,12 +38,47 @@ def comparable(value: Any, budget: int = 64) -> bool:
 
 
 def _kept(value: Any) -> Any:
-    """What is kept of a watched value: a copy of a container (its contents may change in place), else itself."""
-    return copy.deepcopy(value) if isinstance(value, (list, dict, set)) else value
+    """What is kept of a watched value: a copy of a container (its contents, or those of a container inside a
+    tuple, may change in place), else the value itself."""
+    return copy.deepcopy(value) if isinstance(value, (list, dict, set, tuple)) and not immutable(value) else value
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a is b or (type(a) is type(b) and comparable(a) and a == b)
+    if immutable(a) or comparable(a):  # by value: a kept container is a copy, a tuple may hold a changed list
+        return type(a) is type(b) and a == b
+    return a is b
+
+
+_MISSING = object()
+
+
+@dataclass
+class Watch:
+    """One value a captured step read: ``label`` names it (``"alpha"`` for ``self.alpha``, ``"global SCALE"``,
+    ``"closure k"``); ``read()`` gives its value now; ``write(value)`` puts one back (``None``: cannot)."""
+
+    label: str
+    read: Callable[[], Any]
+    write: Optional[Callable[[Any], None]] = None
+
+
+def self_attribute(owner: Any, name: str) -> Watch:
+    """``self.<name>`` of ``owner``, read as Python reads it (an instance attribute, else the class's)."""
+    def write(value: Any) -> None:
+        vars(owner)[name] = value
+
+    return Watch(name, lambda: getattr(owner, name, _MISSING), write if name in vars(owner) else None)
+
+
+def global_value(namespace: dict, name: str) -> Watch:
+    return Watch(f"global {name}", lambda: namespace.get(name, _MISSING), lambda v: namespace.__setitem__(name, v))
+
+
+def closure_value(cell: Any, name: str) -> Watch:
+    def write(value: Any) -> None:
+        cell.cell_contents = value
+
+    return Watch(f"closure {name}", lambda: cell.cell_contents, write)
 
 
 def _short(value: Any) -> str:
@@ -60,29 +95,36 @@ class StepCodeReport:
     Attributes:
         refusal: why the step's Python cannot be frozen (the first reason found, naming the function and the
             name read), or ``None``.
-        watched: names of ``self``'s attributes holding immutable values the step reads; compare them before each
-            replay (:meth:`values`).
+        watches: the values the step reads that could change (``self``'s attributes, globals and closure variables
+            holding numbers, strings, small containers of them, tensors): compare them before each replay.
         functions: qualified names of the functions read, the step method first.
     """
 
     refusal: Optional[str] = None
-    watched: Tuple[str, ...] = ()
+    watches: List[Watch] = field(default_factory=list)
     functions: List[str] = field(default_factory=list)
 
-    def values(self, owner: Any) -> Tuple[Any, ...]:
-        """The watched attributes' current values on ``owner`` (record them at capture)."""
-        return tuple(_kept(vars(owner).get(name)) for name in self.watched)
+    @property
+    def watched(self) -> Tuple[str, ...]:
+        return tuple(w.label for w in self.watches)
+
+    def values(self, owner: Any = None) -> Tuple[Any, ...]:
+        """The watched values now (record them at capture)."""
+        return tuple(_kept(w.read()) for w in self.watches)
 
     def restore(self, owner: Any, recorded: Tuple[Any, ...]) -> None:
-        """Put the watched attributes back to ``recorded`` (copies, so that ``recorded`` can be used again)."""
-        for name, value in zip(self.watched, recorded):
-            vars(owner)[name] = _kept(value)
+        """Put the watched values back to ``recorded`` where they can be written (copies, so that ``recorded`` can
+        be used again)."""
+        for w, value in zip(self.watches, recorded):
+            if w.write is not None and value is not _MISSING:
+                w.write(_kept(value))
 
     def changed(self, owner: Any, recorded: Tuple[Any, ...]) -> Optional[str]:
-        """The first watched attribute whose value differs from ``recorded`` (``"self.alpha: 0.5 -> 0.25"``), or
-        ``None``. Immutable values compare by value, tensors and modules by identity."""
-        for name, old in zip(self.watched, recorded):
-            new = vars(owner).get(name)
+        """The first watched value that differs from ``recorded`` (``"self.alpha: 0.5 -> 0.25"``), or ``None``.
+        Immutable values and small containers compare by value, tensors and modules by identity."""
+        for w, old in zip(self.watches, recorded):
+            new = w.read()
             if not _same(old, new):
-                return f"self.{name}: {_short(old)} -> {_short(new)}"
+                label = w.label if " " in w.label else f"self.{w.label}"
+                return f"{label}: {_short(old)} -> {_short(new)}"
         return None
