@@ -43,6 +43,7 @@ class _Reader:
         self.recorded = set(recorded)
         self.framework = tuple(framework)
         self.watches: Dict[str, Watch] = {}
+        self.prefix = ""  # the path of ``owner`` below the step's module while one of its methods is read
         self.functions: List[str] = []
         self.seen: Set[Any] = set()
 
@@ -115,7 +116,7 @@ class _Reader:
             self.self_attr(str(nxt.argval), where, depth)
             child = self.owner._modules.get(str(nxt.argval))
             if child is not None:
-                self.submodule_chain(child, f"self.{nxt.argval}", ins, i + 2, where)
+                self.submodule_chain(child, f"self.{nxt.argval}", ins, i + 2, where, depth)
         elif nxt is not None and nxt.opname == "LOAD_SUPER_ATTR":
             return  # super().name: followed from the load of super (:meth:`super_call`)
         elif nxt is not None and nxt.opname in ("STORE_ATTR", "DELETE_ATTR"):
@@ -128,9 +129,11 @@ class _Reader:
         else:
             raise _Refused(f"{where} hands self to other code, whose reads of it are not followed")
 
-    def submodule_chain(self, sub: nn.Module, path: str, ins: List[dis.Instruction], j: int, where: str) -> None:
+    def submodule_chain(self, sub: nn.Module, path: str, ins: List[dis.Instruction], j: int, where: str,
+                        depth: int) -> None:
         """``self.sub.x...``: submodules, parameters, buffers and torch's own methods (``parameters()``) may be read
-        through a submodule; its other attributes and methods are state the replay would not see change."""
+        through a submodule, and its class's own methods are read like the step's (its attributes watched); its
+        other state is refused."""
         while j < len(ins) and ins[j].opname in ("LOAD_ATTR", "LOAD_METHOD"):
             name = str(ins[j].argval)
             children, params, buffers = sub._modules, sub._parameters, sub._buffers
@@ -143,6 +146,15 @@ class _Reader:
                 static = inspect.getattr_static(sub, name)
             except AttributeError:
                 static = None
+            if isinstance(static, types.FunctionType) and name not in vars(sub) and not trusted(static) \
+                    and not framework_defined(static, self.framework):
+                saved = self.owner, self.prefix
+                self.owner, self.prefix = sub, f"{path[len('self.'):]}."
+                try:
+                    self.follow(static, f"{path}.{name}", where, depth, is_method=True)
+                finally:
+                    self.owner, self.prefix = saved
+                return
             if isinstance(static, types.FunctionType) and trusted(static) and name not in vars(sub):
                 return
             raise _Refused(f"{where} reads {path}.{name}, state of a submodule that is not followed")
@@ -167,7 +179,7 @@ class _Reader:
         if in_instance:
             value = vars(owner)[name]
             if isinstance(value, torch.Tensor) or comparable(value):
-                self.watches.setdefault(name, self_attribute(owner, name))  # compared before each replay
+                self.watches.setdefault(self.prefix + name, self_attribute(owner, name, self.prefix + name))
                 return
             if isinstance(value, nn.Module) or trusted(value):
                 return
@@ -194,7 +206,7 @@ class _Reader:
             self.follow(static, f"self.{name}", where, depth, is_method=True)
             return
         if immutable(static):
-            self.watches.setdefault(name, self_attribute(owner, name))  # a class attribute, or one shadowing it later
+            self.watches.setdefault(self.prefix + name, self_attribute(owner, name, self.prefix + name))  # class-level
             return
         if trusted(static):
             return

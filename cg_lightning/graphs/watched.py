@@ -62,12 +62,13 @@ class Watch:
     write: Optional[Callable[[Any], None]] = None
 
 
-def self_attribute(owner: Any, name: str) -> Watch:
-    """``self.<name>`` of ``owner``, read as Python reads it (an instance attribute, else the class's)."""
+def self_attribute(owner: Any, name: str, label: Optional[str] = None) -> Watch:
+    """``<name>`` of ``owner`` (the step's module, or a submodule at ``label``'s path), read as Python reads it (an
+    instance attribute, else the class's)."""
     def write(value: Any) -> None:
         vars(owner)[name] = value
 
-    return Watch(name, lambda: getattr(owner, name, _MISSING), write if name in vars(owner) else None)
+    return Watch(label or name, lambda: getattr(owner, name, _MISSING), write if name in vars(owner) else None)
 
 
 def global_value(namespace: dict, name: str) -> Watch:
