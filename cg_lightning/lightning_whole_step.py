@@ -59,7 +59,8 @@ class LightningWholeStep:
 
     Attributes:
         graphs: the :class:`~cg_lightning.graphs.whole_step.StepGraphs`, ``None`` once refused.
-        refusal: why the step is not captured (``None`` while it is or will be).
+        stats: the run's :class:`~cg_lightning.graphs.whole_step.StepGraphStats`; ``stats.refusal``: why the step is not
+            (or no longer) captured.
     """
 
     def __init__(self, strategy: Any, run_training_step: Callable[..., Any], announce: Callable[[str], None]) -> None:
@@ -71,7 +72,6 @@ class LightningWholeStep:
         self.options = options
         self.graphs: Optional[StepGraphs] = StepGraphs(driver.step_backend, options.max_graph_sets)
         self.stats = self.graphs.stats
-        self.refusal: Optional[str] = None
         #: graphs.whole_step unset: the step is captured only where its Python is proven safe to freeze
         #: (:mod:`cg_lightning.graphs.step_code`), and a refusal is a line on rank 0, not a warning
         self.auto = options.whole_step is None
@@ -109,7 +109,7 @@ class LightningWholeStep:
         """No whole-step graphs from now on, and the layers get per-layer graphs. One warning when the option was
         asked for; unset, one line on rank 0 (and the warning for a model without layers to graph, which then
         trains eagerly)."""
-        self.refusal = self.stats.refusal = reason
+        self.stats.refusal = reason
         if self.graphs is not None:
             self.graphs.clear()
         self.graphs = None
@@ -155,7 +155,7 @@ class LightningWholeStep:
         batch, rest = args[0], args[1:]
         graphs = self.graphs
         if self.guards is not None:
-            changed = self.guards.changed() or (self.code.changed(self.strategy.lightning_module, self._watched_values)
+            changed = self.guards.changed() or (self.code.changed(self._watched_values)
                                                 if self.code is not None else None)
             if changed is not None:
                 self.give_up(f"{changed} after the step was captured")
@@ -183,12 +183,12 @@ class LightningWholeStep:
         compiled = self.options.compile or torch_compat.contains_compiled(module)
         eager_path = not compiled
         code = self.code
-        kept = code.values(module) if code is not None else ()  # the watched values before the step ran
+        kept = code.values() if code is not None else ()  # the watched values before the step ran
         runs = [0]
 
         def body(static_batch: Any) -> Any:
             if runs[0] and code is not None:  # each run at capture starts from the same Python state
-                code.restore(module, kept)
+                code.restore(kept)
             runs[0] += 1
             calls.clear()
             module.log = LogRecorder(calls)
@@ -229,13 +229,13 @@ class LightningWholeStep:
             self.give_up(f"capturing it failed: {type(exc).__name__}: {str(exc).rstrip('.')}"
                          + (f" (raised under {where})" if where else ""))
             return None
-        changed = code.changed(module, kept) if code is not None else None
+        changed = code.changed(kept) if code is not None else None
         if changed is not None:  # e.g. self.history.append(...): a replay would not do it
             self.give_up(f"training_step changes what it reads ({changed}), which a replay would not do")
             return graph  # this step's result stands: it ran as captured
         if self.guards is None:
             self.guards = StepGuards(module)
-            self._watched_values = code.values(module) if code is not None else ()
+            self._watched_values = code.values() if code is not None else ()
         stats = self.graphs.stats
         self.announce(f"cg_lightning: captured the whole training step (forward, loss, backward, gradient sync) as "
                       f"one graph with the {self.graphs.backend.name} backend in {stats.capture_seconds:.2f} s"

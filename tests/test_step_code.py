@@ -218,17 +218,17 @@ def test_class_attributes_globals_and_lists_inside_tuples_are_watched_by_value()
     assert report.refusal is None and set(report.watched) == {"level", "pair", "global GLOBAL_SCALE"}, report
     kept = report.values()
     module.pair[0].append(2)  # inside a tuple: the kept copy still holds [1]
-    assert report.changed(module, kept) == "self.pair: ([1],) -> ([1, 2],)"
+    assert report.changed(kept) == "self.pair: ([1],) -> ([1, 2],)"
     module.pair[0].pop()
     cls.level = 2.0  # a class attribute changed at run time
-    assert report.changed(module, kept) == "self.level: 1.0 -> 2.0"
+    assert report.changed(kept) == "self.level: 1.0 -> 2.0"
     cls.level = 1.0
     old, GLOBAL_SCALE = GLOBAL_SCALE, 3.0
     try:
-        assert report.changed(module, kept) == "global GLOBAL_SCALE: 2.0 -> 3.0"
+        assert report.changed(kept) == "global GLOBAL_SCALE: 2.0 -> 3.0"
     finally:
         GLOBAL_SCALE = old
-    assert report.changed(module, kept) is None
+    assert report.changed(kept) is None
 
 
 def test_a_watched_value_changed_in_place_or_replaced_is_reported():
@@ -238,13 +238,13 @@ def test_a_watched_value_changed_in_place_or_replaced_is_reported():
     module = type("Step", (Base,), {"training_step": step})()
     report = check_step_code(module, "training_step", framework=FRAMEWORK)
     assert report.refusal is None and report.watched == ("global GLOBAL_SCALE", "alpha", "opts")
-    kept = report.values(module)
-    assert report.changed(module, kept) is None
+    kept = report.values()
+    assert report.changed(kept) is None
     module.opts.append("b")  # in place: the kept copy still holds the old list
-    assert report.changed(module, kept) == "self.opts: ['a'] -> ['a', 'b']"
+    assert report.changed(kept) == "self.opts: ['a'] -> ['a', 'b']"
     module.opts = ["a"]
     module.alpha = 0.25
-    assert report.changed(module, kept) == "self.alpha: 0.5 -> 0.25"
+    assert report.changed(kept) == "self.alpha: 0.5 -> 0.25"
 
 
 def test_a_step_method_that_is_not_python_is_refused():

@@ -109,18 +109,18 @@ class StepCodeReport:
     def watched(self) -> Tuple[str, ...]:
         return tuple(w.label for w in self.watches)
 
-    def values(self, owner: Any = None) -> Tuple[Any, ...]:
+    def values(self) -> Tuple[Any, ...]:
         """The watched values now (record them at capture)."""
         return tuple(_kept(w.read()) for w in self.watches)
 
-    def restore(self, owner: Any, recorded: Tuple[Any, ...]) -> None:
+    def restore(self, recorded: Tuple[Any, ...]) -> None:
         """Put the watched values back to ``recorded`` where they can be written (copies, so that ``recorded`` can
         be used again)."""
         for w, value in zip(self.watches, recorded):
             if w.write is not None and value is not _MISSING:
                 w.write(_kept(value))
 
-    def changed(self, owner: Any, recorded: Tuple[Any, ...]) -> Optional[str]:
+    def changed(self, recorded: Tuple[Any, ...]) -> Optional[str]:
         """The first watched value that differs from ``recorded`` (``"self.alpha: 0.5 -> 0.25"``), or ``None``.
         Immutable values and small containers compare by value, tensors and modules by identity."""
         for w, old in zip(self.watches, recorded):
