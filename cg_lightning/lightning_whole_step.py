@@ -36,7 +36,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import torch_compat
+from . import protocol, torch_compat
 from .graphs import GraphSignatureError
 from .graphs.capture_reads import ReadsDiverged
 from .graphs.host_sync import HostSyncError
@@ -200,12 +200,16 @@ class LightningWholeStep:
             if not isinstance(loss, torch.Tensor):
                 raise StepCaptureRefused(f"training_step returned {type(out).__name__} without a loss tensor")
             engine = strategy.engine
-            engine.zero_grad_buffer()
+            stats = self.stats
+            fresh = stats.fresh_main_grads  # the first share of each main_grad copied in, the buffer left unfilled
+            engine.zero_grad_buffer(fill=not fresh)
             strategy.driver.before_backward(loss)
-            with engine.grad_adds_batched():  # a few multi-tensor additions instead of one kernel per parameter
+            with engine.grad_adds_batched(fresh) as adds:  # a few multi-tensor kernels instead of one a parameter
                 strategy.precision_plugin.backward(loss, module, None)
                 if engine.sync_enabled:
                     engine.finish_grad_sync()
+            if not fresh:  # later runs copy if every main_grad got its gradients through the engine's hooks alone
+                stats.fresh_main_grads = all(id(m) in adds.queued for m in map(protocol.main_grad, engine.params))
             return out
 
         try:

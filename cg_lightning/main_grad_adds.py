@@ -22,15 +22,22 @@ nested share before that write (adding it later ends 3.7e-9 apart after 8 steps 
 A member's own parameter cannot be written by another member: a parameter two graphed calls reach is summed
 through autograd and never queued, and a layer whose outputs depend on a parameter it neither owns nor
 recomputes is refused at capture.
+
+*Copied first shares* (``fresh``): where every ``main_grad`` would be zeroed just before (a graph of the whole
+step zeroes the buffer and then runs the backward), the first share of each is copied in instead of added, and
+the fill is left out: ``0 + g`` is ``g`` in IEEE arithmetic (only a ``-0.0`` share stays ``-0.0``, as torch
+DDP's copy into its bucket leaves it), so the values are the same while the bytes moved per parameter drop from
+16 (a fill, then a read-read-write addition) to 8. A ``main_grad`` that gets no share is zeroed by
+:meth:`MainGradAdds.settle` before anything reads it.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 
-from .torch_compat import foreach_add_
+from .torch_compat import foreach_add_, foreach_copy_, foreach_zero_
 
 #: default bound on the bytes of gradients kept pending (the tiny benchmark's 12 blocks need 36 MB)
 FLUSH_BYTES = 64 * 2**20
@@ -42,14 +49,23 @@ class MainGradAdds:
     Args:
         flush_bytes: flush as soon as the pending gradients hold at least this many bytes; 0 flushes at every
             :meth:`add` (one kernel per call, the per-layer behaviour).
+        fresh: ``main_grad`` tensors whose values are to be taken as zero (left unfilled): the first share of
+            each is copied in rather than added; :meth:`settle` zeroes those that got none.
+
+    Attributes:
+        queued: ids of the ``main_grad`` tensors that got at least one share through :meth:`add`.
     """
 
-    def __init__(self, flush_bytes: int = FLUSH_BYTES) -> None:
+    def __init__(self, flush_bytes: int = FLUSH_BYTES, fresh: Sequence[torch.Tensor] = ()) -> None:
         self.flush_bytes = flush_bytes
         self._mains: List[torch.Tensor] = []
         self._addends: List[torch.Tensor] = []
+        self._copy_into: List[torch.Tensor] = []
+        self._copied: List[torch.Tensor] = []
         self._pending: Set[int] = set()
         self._bytes = 0
+        self._fresh: Dict[int, torch.Tensor] = {id(m): m for m in fresh}
+        self.queued: Set[int] = set()
 
     def add(self, mains: Sequence[torch.Tensor], addends: Sequence[torch.Tensor], defer: bool = True) -> None:
         """Queue ``mains[i] += addends[i]`` (same shapes; ``mains`` fp32 ``main_grad`` buffers), in order.
@@ -58,11 +74,17 @@ class MainGradAdds:
         when ``mains`` is empty).
         """
         for main, addend in zip(mains, addends):
-            if id(main) in self._pending:  # a second share of the same main_grad: the first goes in first
+            key = id(main)
+            if key in self._pending:  # a second share of the same main_grad: the first goes in first
                 self.flush()
-            self._mains.append(main)
-            self._addends.append(addend)
-            self._pending.add(id(main))
+            if self._fresh.pop(key, None) is not None:
+                self._copy_into.append(main)
+                self._copied.append(addend)
+            else:
+                self._mains.append(main)
+                self._addends.append(addend)
+            self._pending.add(key)
+            self.queued.add(key)
             self._bytes += addend.numel() * addend.element_size()
         if self._bytes >= self.flush_bytes or (mains and not defer):
             self.flush()
@@ -70,7 +92,22 @@ class MainGradAdds:
     def flush(self) -> List[torch.Tensor]:
         """Launch the pending additions (none pending: nothing launched). Returns ``[]``, so that it can be a
         segment member's body with no outputs."""
+        if self._copy_into:
+            foreach_copy_(self._copy_into, self._copied)
         if self._mains:
             foreach_add_(self._mains, self._addends)
         self._mains, self._addends, self._pending, self._bytes = [], [], set(), 0
+        self._copy_into, self._copied = [], []
         return []
+
+    def is_fresh(self, main: torch.Tensor) -> bool:
+        """Whether ``main`` is still taken as zero without holding zeros (a fresh one that got no share yet)."""
+        return id(main) in self._fresh
+
+    def settle(self, mains: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Launch the pending additions, then zero those of ``mains`` (default: all) still fresh, so that they
+        hold what they stand for: before a bucket's all-reduce reads them, and at the end of the backward."""
+        self.flush()
+        keys = list(self._fresh) if mains is None else [id(m) for m in mains if id(m) in self._fresh]
+        if keys:
+            foreach_zero_([self._fresh.pop(k) for k in keys])

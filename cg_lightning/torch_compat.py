@@ -239,6 +239,26 @@ def foreach_add_(tensors: Sequence[torch.Tensor], others) -> None:
     getattr(torch, "_foreach_add_", _foreach_add_fallback)(tensors, others)
 
 
+def foreach_copy_(tensors: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``torch._foreach_copy_(tensors, sources)``: one multi-tensor kernel for ``tensors[i].copy_(sources[i])``."""
+    copy = getattr(torch, "_foreach_copy_", None)
+    if copy is None:
+        for t, s in zip(tensors, sources):
+            t.copy_(s)
+        return
+    copy(tensors, sources)
+
+
+def foreach_zero_(tensors: Sequence[torch.Tensor]) -> None:
+    """``torch._foreach_zero_(tensors)``: one multi-tensor fill with zeros."""
+    zero = getattr(torch, "_foreach_zero_", None)
+    if zero is None:
+        for t in tensors:
+            t.zero_()
+        return
+    zero(tensors)
+
+
 def fused_adam_kernel(decoupled_weight_decay: bool) -> Callable:
     """``torch._fused_adamw_`` (``decoupled_weight_decay``) or ``torch._fused_adam_``: the kernels behind
     ``Adam(fused=True)``, called directly by the cached fused Adam step (``optim.fused_adam_step``)."""

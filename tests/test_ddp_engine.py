@@ -401,3 +401,29 @@ def test_main_grad_is_a_view_of_one_contiguous_buffer():
     # the last parameter sits at the start of the buffer (reverse layout: buckets fill in backward order)
     last = list(model.parameters())[-1]
     assert last.main_grad.data_ptr() == buf.data_ptr()
+
+
+def test_fresh_buffers_equal_a_fill_and_a_main_grad_written_outside_the_hooks_is_named():
+    """``zero_grad_buffer(fill=False)`` with ``grad_adds_batched(fresh=True)``: the first share is copied into the
+    stale buffer, so the gradients equal a zeroed run's; a gradient that reached ``main_grad`` without the hooks
+    (``grad_added_to_main_grad``) would have added onto stale values, and is a GradSyncError naming the parameter."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    engine = DataParallelEngine(lin, DDPOptions())
+    x = torch.randn(2, 4)
+    lin(x).sum().backward()
+    engine.finish_grad_sync()
+    want = {n: p.main_grad.clone() for n, p in lin.named_parameters()}
+    for p in lin.parameters():
+        p.main_grad.fill_(3.0)  # stale values the unfilled buffer keeps
+    engine.zero_grad_buffer(fill=False)
+    with engine.grad_adds_batched(fresh=True):
+        lin(x).sum().backward()
+        engine.finish_grad_sync()
+    for n, p in lin.named_parameters():
+        assert torch.equal(p.main_grad, want[n]), n
+    engine.zero_grad_buffer(fill=False)
+    lin.weight.grad_added_to_main_grad = True
+    with pytest.raises(GradSyncError, match=r"'weight' reached main_grad without the engine's hook"):
+        with engine.grad_adds_batched(fresh=True):
+            lin(x).sum().backward()

@@ -190,3 +190,37 @@ def test_nested_share_of_a_parameter_another_member_writes_itself_goes_in_first(
     assert [float(v) for v in model.losses] == [float(v) for v in ref_model.losses]
     for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_fresh_main_grads_take_their_first_share_by_copy_and_equal_a_fill_then_adds(monkeypatch):
+    """``fresh``: the first share of each ``main_grad`` is copied in (no fill, no addition), a second share is
+    added after it, and ``settle`` zeroes the ones that got none; the values equal zeroing then adding, bit for bit
+    (a ``-0.0`` share stays ``-0.0``, equal to the ``+0.0`` of ``0 + -0.0``)."""
+    adds_counter = _CountForeachAdds(monkeypatch)
+    copies = []
+    real_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (copies.append(list(dst)), real_copy(dst, src)))
+    g = torch.Generator().manual_seed(0)
+    shares = [torch.randn(5, generator=g) for _ in range(3)] + [torch.tensor([-0.0, 1.0, 2.0, 3.0, 4.0])]
+    stale = [torch.full((5,), 9.0) for _ in range(4)]  # what the last step left: never filled
+    want = [torch.zeros(5) for _ in range(4)]
+    want[0].add_(shares[0]).add_(shares[1])
+    want[2].add_(shares[3])
+    adds = MainGradAdds(fresh=stale)
+    adds.add([stale[0], stale[2]], [shares[0], shares[3]])
+    assert adds.is_fresh(stale[1]) and not adds.is_fresh(stale[0])
+    adds.add([stale[0]], [shares[1]])  # pending: the copies go first, then this share is added
+    adds.settle()
+    assert [[t is m for t, m in zip(c, [stale[0], stale[2]])] for c in copies] == [[True, True]]
+    assert len(adds_counter.calls) == 1 and adds_counter.calls[0][0] is stale[0]
+    for got, ref in zip(stale, want):
+        assert torch.equal(got, ref)
+    assert not adds.is_fresh(stale[1]) and not adds.is_fresh(stale[3])  # settled: zeros, as a fill leaves
+
+
+def test_settle_zeroes_only_the_named_fresh_main_grads():
+    """Before a bucket's all-reduce the engine settles that bucket's ``main_grad`` tensors only."""
+    a, b = torch.full((3,), 5.0), torch.full((3,), 5.0)
+    adds = MainGradAdds(fresh=[a, b])
+    adds.settle([a])
+    assert torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.full((3,), 5.0)) and adds.is_fresh(b)

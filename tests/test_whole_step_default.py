@@ -54,6 +54,7 @@ def test_a_plain_step_is_replayed_from_one_graph_by_default_and_equals_ddp(body)
     assert_same(ref.facts(), got.facts())
     stats = strategy.last_step_graph_stats
     assert stats.captures == 1 and stats.replays == STEPS - 3 and stats.refusal is None, stats
+    assert stats.fresh_main_grads
     assert warned == []  # a model without repeated layers ("linear") is graphed whole: nothing to warn about
 
 
@@ -124,6 +125,7 @@ def test_a_transformers_llama_step_is_replayed_by_default_with_its_constant_read
     hf.assert_same_weights(got.model, ref.model)
     stats = strategy.last_step_graph_stats
     assert stats.captures == 1 and stats.replays == STEPS - 3 and stats.refusal is None, stats
+    assert stats.fresh_main_grads  # the replays copied each first share into the unfilled buffer
 
 
 def test_whole_step_false_keeps_per_layer_graphs():

@@ -207,15 +207,26 @@ class DataParallelEngine(nn.Module):
             self.sync_enabled = old
 
     @contextlib.contextmanager
-    def grad_adds_batched(self) -> Iterator[None]:
+    def grad_adds_batched(self, fresh: bool = False) -> Iterator[MainGradAdds]:
         """The hooks queue their ``main_grad += param.grad`` and launch them as few ``torch._foreach_add_`` kernels:
         before a bucket's all-reduce starts, when 64 MB are pending, and at the end. Bit-identical to one addition
         per parameter (:mod:`cg_lightning.main_grad_adds`); inside a graph of the whole step it replaces about one
-        kernel per parameter by a few. The queued gradients stay allocated until launched."""
-        adds = self.batched_adds = MainGradAdds()
-        self.reducer.before_dispatch = adds.flush
+        kernel per parameter by a few. The queued gradients stay allocated until launched.
+
+        ``fresh``: the buffers were not zeroed (:meth:`zero_grad_buffer` with ``fill=False``): each ``main_grad``'s
+        first share is copied in, and those without one are zeroed before their bucket's all-reduce and at the end.
+
+        Raises:
+            GradSyncError: with ``fresh``, a ``main_grad`` written by something other than these hooks (a kernel
+                that sets ``grad_added_to_main_grad``, a graph replay) before its first share: it added onto values
+                that were never zeroed. Zero the buffer and call this without ``fresh``.
+        """
+        adds = self.batched_adds = MainGradAdds(fresh=self._main_grads if fresh else ())
+        main_of = protocol.main_grad
+        self.reducer.before_dispatch = lambda bucket: adds.settle([main_of(p) for p in bucket.params])
         try:
-            yield
+            yield adds
+            adds.settle()
         finally:
             adds.flush()
             self.batched_adds = None
@@ -234,7 +245,7 @@ class DataParallelEngine(nn.Module):
                 differ, or another rank did not reach this point within ``timeout_s``.
         """
         if self.batched_adds is not None:
-            self.batched_adds.flush()
+            self.batched_adds.settle()
         self._check.refuse_unfrozen()
         if self.unused is not None and self.golden_known:
             for b in self.buckets:
@@ -328,9 +339,10 @@ class DataParallelEngine(nn.Module):
                 p.grad = None
         self.grads_exposed = False
 
-    def zero_grad_buffer(self) -> None:
-        """Zero every ``main_grad`` and drop ``param.grad`` (after the optimizer step)."""
-        for buf in self.buffers_:
+    def zero_grad_buffer(self, fill: bool = True) -> None:
+        """Zero every ``main_grad`` and drop ``param.grad`` (after the optimizer step). ``fill=False``: everything
+        but the fill, for a backward run under :meth:`grad_adds_batched` with ``fresh``, which stands for it."""
+        for buf in self.buffers_ if fill else ():
             buf.zero_()
         self._reattach_main_grads(keep_values=False)
         for p in self.params:

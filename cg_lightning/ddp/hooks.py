@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from .. import protocol
 from ..phase import grad_ready_deferred, record_grad_ready
+from .errors import GradSyncError
 
 
 def _hook(engine, param: nn.Parameter, notify: Callable[[], None]) -> Callable:
@@ -30,13 +31,18 @@ def _hook(engine, param: nn.Parameter, notify: Callable[[], None]) -> Callable:
             return
         if not engine.hooks_armed:  # a backward the engine does not own: plain accumulation into param.grad
             return
+        adds = engine.batched_adds
         if grad_added(param):
+            if adds is not None and adds.is_fresh(main_grad(param)):
+                raise written_unzeroed(engine, param)
             set_grad_added(param, False)
             param.grad = None
         else:
             grad = param.grad
-            if grad is not None:  # None after a graph replay: the graph wrote main_grad itself
-                adds = engine.batched_adds
+            if grad is None:  # after a graph replay: the graph wrote main_grad itself
+                if adds is not None and adds.is_fresh(main_grad(param)):
+                    raise written_unzeroed(engine, param)
+            else:
                 if adds is None:
                     main_grad(param).add_(grad)
                 else:  # launched with others before the bucket's all-reduce (DataParallelEngine.grad_adds_batched)
@@ -45,6 +51,15 @@ def _hook(engine, param: nn.Parameter, notify: Callable[[], None]) -> Callable:
         notify()
 
     return hook
+
+
+def written_unzeroed(engine, param: nn.Parameter) -> GradSyncError:
+    """The error for a ``main_grad`` written by a kernel or graph onto a buffer left unfilled (``fresh``)."""
+    return GradSyncError(
+        f"the gradient of parameter {engine.names.get(param, '?')!r} reached main_grad without the engine's hook "
+        "(a kernel or graph wrote it and set grad_added_to_main_grad) while the buffer was left unfilled for copied "
+        "first shares (DataParallelEngine.grad_adds_batched(fresh=True)); zero the buffer first and run the "
+        "backward without fresh")
 
 
 class GradHooks:

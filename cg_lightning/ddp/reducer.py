@@ -43,8 +43,8 @@ class BucketReducer:
         self.dispatch_log: List[int] = []
         self.last_dispatch_order: List[int] = []
         self._next = 0
-        #: called before a bucket's all-reduce is started (queued main_grad additions are launched there)
-        self.before_dispatch: Optional[Callable[[], None]] = None
+        #: called with the bucket before its all-reduce is started (queued main_grad additions are launched there)
+        self.before_dispatch: Optional[Callable[[Bucket], None]] = None
         self._grad_streams: List["torch.cuda.Stream"] = []
         self._comm_stream: Optional["torch.cuda.Stream"] = None
         if device.type == "cuda" and world_size > 1:
@@ -61,7 +61,7 @@ class BucketReducer:
             self._next += 1
             self.dispatch_log.append(bucket.index)
             if self.before_dispatch is not None:
-                self.before_dispatch()
+                self.before_dispatch(bucket)
             if self._comm_stream is None:
                 bucket.dispatch(self.group, self.world_size, self.options.average)
                 continue

@@ -111,6 +111,9 @@ class StepGraphStats:
     capture_seconds: float = 0.0  #: wall time of the captures, warmup runs included
     signatures: List[str] = field(default_factory=list)  #: the captured batch signatures, as text
     refusal: Optional[str] = None  #: why the step is not (or no longer) replayed from a graph
+    #: the step leaves the ``main_grad`` buffer unfilled and copies each first gradient share in (a fill and an
+    #: addition fewer per parameter, the same values: ``DataParallelEngine.grad_adds_batched(fresh=True)``)
+    fresh_main_grads: bool = False
 
 
 class StepGraphs:
