@@ -22,7 +22,8 @@ On the CUDA backend the step function runs once eagerly on the capture stream be
 per-stream state lazily), with the module's buffers, the RNG states and the static batch restored afterwards
 (a step that changes its batch in place must not find it changed twice), then once under
 capture, and the graph is replayed for the step itself. ``main_grad`` is not copied: the step function zeroes it
-before its backward. With ``eager_path`` the eager run keeps the host reads of constant values and the capture answers
+before its backward (or leaves it unfilled and copies each first gradient share in: ``DataParallelEngine.
+grad_adds_batched(fresh=True)``). With ``eager_path`` the eager run keeps the host reads of constant values and the capture answers
 them, so that code which would take another path under capture takes the eager one (:mod:`.capture_reads`); the
 eager backend then makes the same two runs. Otherwise code takes the path it takes under capture (on the eager
 backend it is told a stream captures) and host reads are refused. On the eager backend a replay calls the step
