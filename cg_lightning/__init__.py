@@ -2,7 +2,7 @@
 
 ``import cg_lightning`` registers the Lightning strategy name ``"cudagraph_ddp"`` with ``lightning.pytorch`` and,
 when it is installed, ``pytorch_lightning``: at once for a package already imported, otherwise as soon as it is
-(:mod:`._lightning_hook`). ``CUDAGraphDDPStrategy`` below is the ``lightning.pytorch`` class; the
+(:mod:`.trainer.registration`). ``CUDAGraphDDPStrategy`` below is the ``lightning.pytorch`` class; the
 ``pytorch_lightning`` one is in :mod:`cg_lightning.pytorch_lightning`. The public names are resolved on first use
 (PEP 562), so ``import cg_lightning.graphs`` or ``cg_lightning.ddp`` loads torch only, never Lightning,
 Accelerate, OmegaConf or jsonargparse.
@@ -13,14 +13,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, List
 
-from ._lightning_hook import register_with_lightning
+from .trainer.registration import register_with_lightning
 
 __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
     "BufferReuseError": "cg_lightning.graphs",
-    "CUDAGraphDDPStrategy": "cg_lightning.strategy",
+    "CUDAGraphDDPStrategy": "cg_lightning.trainer.strategy",
     "CheckpointWithoutOutput": "cg_lightning.graphs",
     "DDPOptions": "cg_lightning.ddp",
     "DataParallelEngine": "cg_lightning.ddp",
@@ -39,8 +39,8 @@ _EXPORTS = {
 
 #: subpackages and modules reachable as attributes of the package (``cg_lightning.callbacks``)
 _SUBMODULES = frozenset({
-    "accelerate", "callbacks", "cli", "collate", "ddp", "errors", "graphs", "optim", "options", "phase", "protocol",
-    "pytorch_lightning", "setup_checks", "strategy", "torch_compat",
+    "accelerate", "callbacks", "cli", "collate", "ddp", "distributed_optimizer", "errors", "graphs", "optim", "options",
+    "phase", "protocol", "pytorch_lightning", "torch_compat", "trainer",
 })
 
 __all__ = sorted(_EXPORTS)
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve t
     )
     from .collate import pad_to_multiple  # noqa: F401
     from .graphs.callables import make_graphed_callables  # noqa: F401
-    from .strategy import CUDAGraphDDPStrategy  # noqa: F401
+    from .trainer.strategy import CUDAGraphDDPStrategy  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

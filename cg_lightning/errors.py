@@ -1,6 +1,6 @@
 """``ConfigError``: a setting that cannot work, found before any training step runs.
 
-Standard library only. Raised by the strategy's setup checks (:mod:`cg_lightning.setup_checks`), by the command
+Standard library only. Raised by the strategy's setup checks (:mod:`cg_lightning.trainer.setup_checks`), by the command
 line (:mod:`cg_lightning.cli`) and by the example models' data checks; ``python -m cg_lightning`` prints each line
 of its message as ``error: ...`` and exits with status 2.
 """

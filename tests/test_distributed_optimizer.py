@@ -1,5 +1,5 @@
 """``ddp.distributed_optimizer`` (:mod:`cg_lightning.ddp.shards`, :mod:`cg_lightning.optim.sharded_optimizer`,
-:mod:`cg_lightning.optim.sharded_state`, :mod:`cg_lightning.distributed_optimizer`).
+:mod:`cg_lightning.optim.sharded_state`, :mod:`cg_lightning.trainer.distributed_optimizer`).
 
 In one process, against plain PyTorch: the sharded step with clipping equals ``AdamW`` bit for bit (fp32), and with
 bf16 parameters equals ``AdamW`` on fp32 master weights written out by hand; its state round-trips. Across 2 and
@@ -123,7 +123,7 @@ def test_checkpoint_files(tmp_path):
     """Lightning's side of the files: each rank's shard beside the checkpoint file and a descriptor in it; loaded
     back as this rank's shard (same world size), as every saved shard (another one) or joined into a full state
     (without the distributed optimizer); removed with the checkpoint."""
-    from cg_lightning.distributed_optimizer import load_shards, remove_shards, save_shards
+    from cg_lightning.trainer.distributed_optimizer import load_shards, remove_shards, save_shards
 
     model, engine, opt, sharded = _sharded(torch.float32, False)
     _sharded_step(model, engine, sharded, torch.randn(4, 5))
@@ -209,7 +209,7 @@ def test_four_processes_resume_the_two_process_checkpoint(dist_runs):
 def test_consolidated_checkpoint_equals_ddp(dist_runs):
     """The shards of the 2-process checkpoint joined into a full optimizer state (``consolidate``): the state of
     Lightning ``"ddp"``'s checkpoint at the same step, within 1e-6, in its format."""
-    from cg_lightning.distributed_optimizer import consolidate
+    from cg_lightning.trainer.distributed_optimizer import consolidate
 
     ref = torch.load(dist_runs / "ckpt_ddp" / "epoch=0-step=4.ckpt", weights_only=False)["optimizer_states"][0]
     full = consolidate(str(dist_runs / "ckpt_cg" / "epoch=0-step=4.ckpt"))["optimizer_states"][0]

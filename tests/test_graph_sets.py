@@ -56,7 +56,7 @@ def test_shape_policy_recapture_captures_a_second_graph_set(ddp_losses):
 
 def test_shape_policy_error_names_the_argument(monkeypatch):
     # the strategy refuses this data before training (tests/test_setup_checks.py); here the error it prevents
-    monkeypatch.setattr("cg_lightning.strategy.check_train_data", lambda strategy, trainer: None)
+    monkeypatch.setattr("cg_lightning.trainer.strategy.check_train_data", lambda strategy, trainer: None)
     strategy = _strategy(shape_policy="error")
     with pytest.raises(GraphSignatureError, match=r"'model\.blocks\.0'.*\n  args\[0\]: captured Tensor\[4, 32, 64\] "
                                                   r"float32 on cpu, requires_grad, got Tensor\[2, 32, 64\]"):

@@ -75,7 +75,8 @@ def test_engine_packages_import_no_front_end_anywhere():
 
 HAS_PL = importlib.util.find_spec("pytorch_lightning") is not None
 #: Lightning package -> the module of its strategy class
-STRATEGY_MODULES = {"lightning.pytorch": "cg_lightning.strategy", "pytorch_lightning": "cg_lightning.pytorch_lightning"}
+STRATEGY_MODULES = {"lightning.pytorch": "cg_lightning.trainer.strategy",
+                    "pytorch_lightning": "cg_lightning.trainer.pytorch_lightning"}
 INSTALLED = [p for p in STRATEGY_MODULES if p != "pytorch_lightning" or HAS_PL]
 _PACKAGES = [
     pytest.param(package, module, id=package, marks=pytest.mark.skipif(
@@ -145,3 +146,33 @@ _INTERPRETERS.add("public-names", """
         assert issubclass(CUDAGraphDDPStrategy, DDPStrategy)
         print("OK", is_graph_capturing(), is_graph_warmup())
     """)
+
+
+#: the package's top-level modules: the torch-only base, the package's own entry points, and the two documented
+#: import paths kept for Lightning users (``cg_lightning.pytorch_lightning``, ``cg_lightning.distributed_optimizer``)
+TOP_LEVEL = set(TORCH_ONLY_MODULES) | {"__init__.py", "__main__.py", "errors.py", "options.py", "pytorch_lightning.py",
+                                       "distributed_optimizer.py"}
+
+
+def test_each_front_end_has_its_own_package_and_the_top_level_holds_the_base():
+    """The Lightning Trainer's adapter lives in ``trainer/``, Accelerate's in ``accelerate/``; a new module at the top
+    level must be torch-only base (listed above) or it belongs in a front end's package."""
+    top = {n for n in os.listdir(os.path.join(ROOT, "cg_lightning")) if n.endswith(".py")}
+    assert top == TOP_LEVEL, sorted(top ^ TOP_LEVEL)
+    for shim in ("pytorch_lightning.py", "distributed_optimizer.py"):  # re-exports only
+        tree = ast.parse(open(os.path.join(ROOT, "cg_lightning", shim)).read())
+        assert all(isinstance(n, (ast.Expr, ast.ImportFrom, ast.Assign)) for n in tree.body), shim
+
+
+def test_documented_import_paths_still_resolve():
+    import cg_lightning
+    from cg_lightning.distributed_optimizer import consolidate
+    from cg_lightning.trainer.distributed_optimizer import consolidate as defined
+    from cg_lightning.trainer.strategy import CUDAGraphDDPStrategy
+
+    assert cg_lightning.CUDAGraphDDPStrategy is CUDAGraphDDPStrategy and consolidate is defined
+    if HAS_PL:
+        from cg_lightning.pytorch_lightning import CUDAGraphDDPStrategy as PLStrategy
+        from cg_lightning.trainer.pytorch_lightning import CUDAGraphDDPStrategy as PLDefined
+
+        assert PLStrategy is PLDefined

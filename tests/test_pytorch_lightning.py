@@ -99,12 +99,12 @@ def test_strategy_of_the_other_package_names_the_import():
     from lightning.pytorch import Trainer
 
     kw = dict(accelerator="cpu", devices=1, logger=False)
-    with pytest.raises(TypeError, match=r"cg_lightning\.strategy\.CUDAGraphDDPStrategy is built on lightning\.pytorch, "
+    with pytest.raises(TypeError, match=r"cg_lightning\.CUDAGraphDDPStrategy is built on lightning\.pytorch, "
                                         r"but the Trainer it was given to is pytorch_lightning's .*use `from "
                                         r"cg_lightning\.pytorch_lightning import CUDAGraphDDPStrategy`"):
         pl.Trainer(strategy=cg_lightning.CUDAGraphDDPStrategy(), **kw)
     with pytest.raises(TypeError, match=r"built on pytorch_lightning, but the Trainer it was given to is "
-                                        r"lightning\.pytorch's .*use `from cg_lightning\.strategy import "
+                                        r"lightning\.pytorch's .*use `from cg_lightning import "
                                         r"CUDAGraphDDPStrategy`"):
         Trainer(strategy=CUDAGraphDDPStrategy(), **kw)
     assert type(Trainer(strategy="cudagraph_ddp", **kw).strategy) is cg_lightning.CUDAGraphDDPStrategy

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Te
 import tests.helpers_config as helpers
 from cg_lightning.errors import ConfigError
 from cg_lightning.graphs import GraphSignatureError
-from cg_lightning.setup_checks import partial_last_batch
+from cg_lightning.trainer.setup_checks import partial_last_batch
 from tests.helpers import cg_strategy, make_trainer
 
 
@@ -75,7 +75,7 @@ def test_shape_policy_error_accepted_when_it_can_work(steps, n):
 
 def test_shape_policy_conflict_is_real(monkeypatch):
     """Without the check the smaller last batch fails in the middle of training."""
-    import cg_lightning.strategy as strategy_module
+    import cg_lightning.trainer.strategy as strategy_module
 
     monkeypatch.setattr(strategy_module, "check_train_data", lambda strategy, trainer: None)
     trainer = make_trainer(cg_strategy(layers=["net.0"], shape_policy="error", warmup_steps=1), 6)

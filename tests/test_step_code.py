@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
 from cg_lightning.graphs.step_code import check_step_code
-from cg_lightning.lightning_whole_step import FRAMEWORK
+from cg_lightning.trainer.whole_step import FRAMEWORK
 
 GLOBAL_TENSOR = torch.ones(2)
 GLOBAL_SCALE = 2.0

@@ -242,7 +242,7 @@ def test_overridden_lightning_hooks_are_public_and_marked(package):
     """The strategy overrides public Lightning hooks only (a private one can change in any Lightning release
     without notice), each marked ``@override``; in both Lightning packages."""
     ddp_strategy = pytest.importorskip(f"{package}.strategies").DDPStrategy
-    module = "cg_lightning.strategy" if package == "lightning.pytorch" else "cg_lightning.pytorch_lightning"
+    module = "cg_lightning.trainer.strategy" if package == "lightning.pytorch" else "cg_lightning.trainer.pytorch_lightning"
     cls = __import__(module, fromlist=["CUDAGraphDDPStrategy"]).CUDAGraphDDPStrategy
 
     overridden = _overrides(cls, ddp_strategy)

@@ -31,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks.step_time (after --)")
     args = ap.parse_args(argv)
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    import cg_lightning.strategy as strategy_module
+    import cg_lightning.trainer.strategy as strategy_module
 
     if args.binding == "current":
         shipped = strategy_module.DataParallelEngine

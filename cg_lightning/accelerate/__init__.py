@@ -12,7 +12,7 @@ this subpackage; :mod:`cg_lightning.graphs` and :mod:`cg_lightning.ddp` import o
 """
 
 from .accelerator import CUDAGraphAccelerator
-from .engine import GraphedDataParallel
+from ..lifecycle import GraphedDataParallel
 from .optimizer import GradBufferOptimizer
 
 __all__ = ["CUDAGraphAccelerator", "GradBufferOptimizer", "GraphedDataParallel"]

@@ -47,7 +47,7 @@ from ..graphs import GraphOptions
 from ..lifecycle import apply_graphs
 from ..optim.sharded_optimizer import clip_grad_norm_
 from ..options import as_options
-from .engine import GraphedDataParallel
+from ..lifecycle import GraphedDataParallel
 from .faults import AccelerateFaultsMixin
 from .optimizer import GradBufferOptimizer
 

@@ -19,7 +19,7 @@ from typing_extensions import override
 from ..ddp import progress
 from ..ddp.peers import peer_errors
 from ..optim.step_graph import step_replaced
-from .engine import GraphedDataParallel
+from ..lifecycle import GraphedDataParallel
 
 EngineLookup = Callable[["GradBufferOptimizer"], Iterable[GraphedDataParallel]]
 

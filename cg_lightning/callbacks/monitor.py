@@ -1,7 +1,7 @@
 """``GraphMonitor``: logs the graph engine's counters through Lightning's loggers.
 
 The body, :class:`GraphMonitorMixin`, serves both Lightning packages: :class:`GraphMonitor` here is a
-``lightning.pytorch`` callback, :class:`cg_lightning.pytorch_lightning.GraphMonitor` a ``pytorch_lightning`` one.
+``lightning.pytorch`` callback, :class:`cg_lightning.trainer.pytorch_lightning.GraphMonitor` a ``pytorch_lightning`` one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``CUDAGraphCallback``: the capture schedule of ``strategy="cudagraph_ddp"``, kept in checkpoints.
 
 The body, :class:`CUDAGraphCallbackMixin`, serves both Lightning packages: :class:`CUDAGraphCallback` here is a
-``lightning.pytorch`` callback, :class:`cg_lightning.pytorch_lightning.CUDAGraphCallback` a ``pytorch_lightning``
+``lightning.pytorch`` callback, :class:`cg_lightning.trainer.pytorch_lightning.CUDAGraphCallback` a ``pytorch_lightning``
 one.
 """
 

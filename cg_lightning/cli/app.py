@@ -13,7 +13,7 @@ those steps:
    configuration at once (:mod:`~cg_lightning.cli.messages`);
 3. a constructor or the ``Trainer`` refusing its arguments, a checkpoint that is not one, and any
    :class:`~cg_lightning.errors.ConfigError` or Lightning ``MisconfigurationException`` raised before the first
-   batch (the strategy's setup checks, :mod:`cg_lightning.setup_checks`) become such lines too.
+   batch (the strategy's setup checks, :mod:`cg_lightning.trainer.setup_checks`) become such lines too.
 
 Each of these raises :class:`~cg_lightning.errors.ConfigError`; :func:`main` prints one ``error:`` line per problem
 and returns exit status 2, before any training step.

@@ -121,7 +121,7 @@ class KeyCheck:
         """Full paths where ``key`` would be known, for one given at the wrong level (``graphs`` at the top)."""
         found: List[str] = []
         self._search(self.top, "", key, found, 0)
-        from cg_lightning.strategy import CUDAGraphDDPStrategy
+        from cg_lightning.trainer.strategy import CUDAGraphDDPStrategy
 
         strategy = class_schema(CUDAGraphDDPStrategy)
         if strategy is not None:

@@ -3,7 +3,7 @@
 A constructor rejecting its arguments (the key found from the traceback: the configured class whose
 ``__init__`` raised), the ``Trainer`` rejecting its settings (the key found from the message), a ``ckpt_path`` that
 is not a Lightning checkpoint, and the errors raised before the first batch of a run: the strategy's setup checks
-(:mod:`cg_lightning.setup_checks`, whose lines start with the option, ``graphs.layers: ...``), the example models'
+(:mod:`cg_lightning.trainer.setup_checks`, whose lines start with the option, ``graphs.layers: ...``), the example models'
 data checks and Lightning's own ``MisconfigurationException`` (manual optimization with clipping, ...).
 """
 

@@ -56,17 +56,23 @@ The events and what they guarantee:
 * :meth:`~TrainingDriver.close`: graphs removed, the optimizers as the user built them, the engine's hooks
   gone; the counters stay readable (``last_graph_stats``, ``last_optimizer_replays``, ...).
 
+For loops the user writes (Accelerate, Fabric), :class:`GraphedDataParallel` (:mod:`.loop_engine`) is the engine
+that raises these events from the loop's own calls: the model's forward, the front end's backward, the optimizer
+step and ``zero_grad``.
+
 Modules: :mod:`.building` (the functions that build the pieces), :mod:`.driver` (:class:`TrainingDriver`, the
-events), :mod:`.optimizer_steps` (what runs as ``optimizer.step()`` inside :meth:`~TrainingDriver.stepping`),
+events), :mod:`.loop_engine` (:class:`GraphedDataParallel`), :mod:`.optimizer_steps` (what runs as ``optimizer.step()`` inside :meth:`~TrainingDriver.stepping`),
 :mod:`.summary` (:class:`CaptureSummary`).
 """
 
 from .building import apply_data_parallel, apply_graphs, build_driver, capture_stream
 from .driver import TrainingDriver
+from .loop_engine import GraphedDataParallel
 from .summary import CaptureSummary
 
 __all__ = [
     "CaptureSummary",
+    "GraphedDataParallel",
     "TrainingDriver",
     "apply_data_parallel",
     "apply_graphs",

@@ -30,7 +30,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "cg_lightning", "cg_lightning.strategy",
+PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "cg_lightning", "cg_lightning.trainer.strategy",
            "examples.gpt", "examples.data", "accelerate")
 GRACE_S = 10.0
 

@@ -3,7 +3,7 @@
 :func:`static_refusal` reads the fit's set-up (manual optimization, a GradScaler, the distributed optimizer,
 hooks of the user's that would run only at capture); :class:`LogRecorder` stands in for ``self.log`` while the step
 is captured and refuses values a replay could not log again; :func:`raised_at` names the user's line of a capture
-that failed. Used by :mod:`cg_lightning.lightning_whole_step`.
+that failed. Used by :mod:`cg_lightning.trainer.whole_step`.
 """
 
 from __future__ import annotations

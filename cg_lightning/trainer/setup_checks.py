@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, List, Mapping, Optional, Tuple
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def check_setup(strategy: Any, trainer: Any) -> None:
@@ -42,7 +42,7 @@ def check_setup(strategy: Any, trainer: Any) -> None:
     problems: List[str] = []
     model = strategy.lightning_module
     if options.layers is not None and model is not None:
-        from .graphs.selection import select_layers
+        from ..graphs.selection import select_layers
 
         try:
             select_layers(model, options.layers)

@@ -36,14 +36,14 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import protocol, torch_compat
-from .graphs import GraphSignatureError
-from .graphs.capture_reads import ReadsDiverged
-from .graphs.host_sync import HostSyncError
-from .graphs.selection import no_default_layers_message
-from .graphs.step_code import StepCodeReport, check_step_code
-from .graphs.whole_step import StepGraph, StepGraphs, StepGuards
-from .lightning_step_checks import FRAMEWORK, LogRecorder, StepCaptureRefused, raised_at, static_refusal
+from .. import protocol, torch_compat
+from ..graphs import GraphSignatureError
+from ..graphs.capture_reads import ReadsDiverged
+from ..graphs.host_sync import HostSyncError
+from ..graphs.selection import no_default_layers_message
+from ..graphs.step_code import StepCodeReport, check_step_code
+from ..graphs.whole_step import StepGraph, StepGraphs, StepGuards
+from .step_checks import FRAMEWORK, LogRecorder, StepCaptureRefused, raised_at, static_refusal
 
 
 def _copied(value: Any) -> Any:
@@ -53,7 +53,7 @@ class LightningWholeStep:
     """The whole-step graphs of one fit under the Lightning strategy.
 
     Args:
-        strategy: the :class:`~cg_lightning.strategy.CUDAGraphDDPMixin` (its driver, precision plugin, module).
+        strategy: the :class:`~cg_lightning.trainer.strategy.CUDAGraphDDPMixin` (its driver, precision plugin, module).
         run_training_step: Lightning's ``DDPStrategy.training_step`` bound to the strategy.
         announce: prints one line on rank 0.
 

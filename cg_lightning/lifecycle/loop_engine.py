@@ -36,7 +36,8 @@ from typing_extensions import override
 from .. import protocol
 from ..ddp import DataParallelEngine, DDPOptions, progress
 from ..graphs import GraphManager, GraphStats
-from ..lifecycle import TrainingDriver, capture_stream
+from .building import capture_stream
+from .driver import TrainingDriver
 
 _GRAD = operator.attrgetter("grad")
 

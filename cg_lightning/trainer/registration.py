@@ -31,10 +31,12 @@ from typing import Any, Callable, Dict, Set
 
 #: Lightning package -> the module that defines its ``CUDAGraphDDPStrategy``
 _NAMESPACES: Dict[str, str] = {
-    "lightning.pytorch": "cg_lightning.strategy",
-    "pytorch_lightning": "cg_lightning.pytorch_lightning",
+    "lightning.pytorch": "cg_lightning.trainer.strategy",
+    "pytorch_lightning": "cg_lightning.trainer.pytorch_lightning",
 }
 _MODULES = {module: namespace for namespace, module in _NAMESPACES.items()}
+#: Lightning package -> the documented import path of its ``CUDAGraphDDPStrategy``
+_PUBLIC: Dict[str, str] = {"lightning.pytorch": "cg_lightning", "pytorch_lightning": "cg_lightning.pytorch_lightning"}
 _lock = threading.RLock()
 _loading: Set[str] = set()  # watched modules being executed right now
 _registered: Dict[str, type] = {}  # Lightning package -> its strategy class, once registered
@@ -65,10 +67,11 @@ def wrong_trainer_error(cls: type, accelerator: Any) -> TypeError:
     mine = cls._lightning_ns.name
     theirs = next((ns for klass in type(accelerator).__mro__ for ns in _NAMESPACES
                    if ns != mine and (klass.__module__ == ns or klass.__module__.startswith(ns + "."))), None)
-    use = [f"from {module} import CUDAGraphDDPStrategy" for ns, module in _NAMESPACES.items()
+    use = [f"from {_PUBLIC[ns]} import CUDAGraphDDPStrategy" for ns in _NAMESPACES
            if ns == theirs or (theirs is None and ns != mine)]
     return TypeError(
-        f"{cls.__module__}.CUDAGraphDDPStrategy is built on {mine}, but the Trainer it was given to is "
+        f"{_PUBLIC.get(mine, cls.__module__)}.CUDAGraphDDPStrategy is built on {mine}, but the Trainer it was given "
+        f"to is "
         f"{theirs or 'another package'}'s (its accelerator is a {type(accelerator).__module__}."
         f"{type(accelerator).__qualname__}): use `{'` or `'.join(use)}`, or strategy=\"cudagraph_ddp\""
     )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Tuple
 
-from .ddp import DDPOptions
+from ..ddp import DDPOptions
 
 #: torch DDP argument -> DDPOptions field
 _MAPPED = {"find_unused_parameters": "find_unused_parameters", "bucket_cap_mb": "bucket_size_mb",

@@ -3,7 +3,7 @@
 Registered as ``"cudagraph_ddp"`` on ``import cg_lightning``. It is a ``DDPStrategy`` subclass, so
 Lightning's launchers, samplers, accumulation and checkpointing paths stay as they are. Its body,
 :class:`CUDAGraphDDPMixin`, serves both Lightning packages: :class:`CUDAGraphDDPStrategy` here is built on
-``lightning.pytorch``, :class:`cg_lightning.pytorch_lightning.CUDAGraphDDPStrategy` on ``pytorch_lightning``; each
+``lightning.pytorch``, :class:`.pytorch_lightning.CUDAGraphDDPStrategy` on ``pytorch_lightning``; each
 takes its own package's pieces from a :class:`LightningNamespace`. The training itself is driven by a
 :class:`~cg_lightning.lifecycle.TrainingDriver`; the body maps Lightning's hooks onto its events:
 
@@ -25,7 +25,7 @@ plugin's ``backward``                     ``after_backward()`` before ``on_after
 ``teardown``                              ``close()``
 ========================================  =====================================================================
 
-Faults (bounded collectives, named peer errors, preemption) are :mod:`cg_lightning.lightning_faults`.
+Faults (bounded collectives, named peer errors, preemption) are :mod:`cg_lightning.trainer.faults`.
 
 Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPUs.
 """
@@ -47,14 +47,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ._lightning_hook import LightningNamespace, wrong_trainer_error
-from .ddp import DataParallelEngine, DDPOptions
+from .registration import LightningNamespace, wrong_trainer_error
+from ..ddp import DataParallelEngine, DDPOptions
 from .distributed_optimizer import DistributedOptimizerMixin
-from .graphs import GraphManager, GraphOptions, GraphStats
-from .lifecycle import TrainingDriver, apply_graphs, build_driver
-from .lightning_faults import FaultsMixin
-from .lightning_whole_step import LightningWholeStep
-from .options import as_options
+from ..graphs import GraphManager, GraphOptions, GraphStats
+from ..lifecycle import TrainingDriver, apply_graphs, build_driver
+from .faults import FaultsMixin
+from .whole_step import LightningWholeStep
+from ..options import as_options
 from .setup_checks import check_setup, check_train_data
 from .torch_ddp_options import split_torch_ddp_kwargs
 
@@ -70,7 +70,7 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
     Collectives are bounded by ``ddp.timeout_s`` from the first training step on, and a failed one is a
     :class:`~cg_lightning.ddp.PeerLostError` naming the cause and the rank; SIGTERM (and SLURM's requeue signal)
     stops every rank after the same step with a checkpoint and exit status ``128 + signal``
-    (:mod:`cg_lightning.lightning_faults`).
+    (:mod:`cg_lightning.trainer.faults`).
 
     Args:
         graphs: :class:`~cg_lightning.graphs.GraphOptions` (or a dict of its fields): which layers,
@@ -81,7 +81,7 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         **kwargs: Lightning's ``DDPStrategy`` arguments (``process_group_backend``, ``timeout``,
             ``start_method``, ...) and torch DDP's, mapped onto ``ddp`` (``find_unused_parameters``,
             ``bucket_cap_mb``, ``broadcast_buffers``), accepted (``static_graph``, ``gradient_as_bucket_view``)
-            or refused with the reason (communication hooks): :mod:`cg_lightning.torch_ddp_options`.
+            or refused with the reason (communication hooks): :mod:`cg_lightning.trainer.torch_ddp_options`.
 
     Attributes:
         driver: the :class:`~cg_lightning.lifecycle.TrainingDriver` of the current fit (or of
@@ -154,7 +154,7 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         """Lightning's DDP setup (which calls :meth:`configure_ddp` when fitting); outside fitting
         (``trainer.validate/test/predict``) with ``graphs.capture_eval`` also a graph manager for eval-mode
         graphs only (no DDP engine: nothing to reduce), removed again at teardown. Options that cannot work with
-        the model or the device are refused first (:func:`~cg_lightning.setup_checks.check_setup`)."""
+        the model or the device are refused first (:func:`~cg_lightning.trainer.setup_checks.check_setup`)."""
         check_setup(self, trainer)
         super().setup(trainer)
         options = self.graph_options
@@ -166,7 +166,7 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
 
     @override
     def on_train_start(self) -> None:
-        """Refuses training data the shape policy cannot take (:func:`~cg_lightning.setup_checks.check_train_data`)."""
+        """Refuses training data the shape policy cannot take (:func:`~.setup_checks.check_train_data`)."""
         check_train_data(self, self.lightning_module.trainer)
         super().on_train_start()
 
@@ -374,7 +374,7 @@ class CUDAGraphDDPStrategy(CUDAGraphDDPMixin, DDPStrategy):
     __doc__ = f"""{CUDAGraphDDPMixin.__doc__.strip()}
 
     Built on ``lightning.pytorch``; for ``pytorch_lightning`` use
-    :class:`cg_lightning.pytorch_lightning.CUDAGraphDDPStrategy`.
+    :class:`cg_lightning.trainer.pytorch_lightning.CUDAGraphDDPStrategy`.
     """
 
     _lightning_ns = LightningNamespace("lightning.pytorch", Accelerator, LightningOptimizer, TrainerFn.FITTING,

@@ -1,6 +1,6 @@
 """Faults under the Lightning strategy: bounded collectives with named errors, and preemption that loses nothing.
 
-:class:`FaultsMixin` is part of the strategy body (:class:`~cg_lightning.strategy.CUDAGraphDDPMixin` derives from
+:class:`FaultsMixin` is part of the strategy body (:class:`~.strategy.CUDAGraphDDPMixin` derives from
 it); it works with both Lightning packages.
 
 **Every collective bounded by** ``ddp.timeout_s``. Lightning creates the world group with its ``timeout``
@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from . import torch_compat
-from .ddp import peers, progress
-from .lifecycle.preemption import StopRequest, control_group, exit_status, signal_name
+from .. import torch_compat
+from ..ddp import peers, progress
+from ..lifecycle.preemption import StopRequest, control_group, exit_status, signal_name
 
 
 def _exceptions_module(trainer: Any):
