@@ -2,7 +2,7 @@
 
 ``import cg_lightning`` registers the Lightning strategy name ``"cudagraph_ddp"`` with ``lightning.pytorch`` and,
 when it is installed, ``pytorch_lightning``: at once for a package already imported, otherwise as soon as it is
-(:mod:`.trainer.registration`). ``CUDAGraphDDPStrategy`` below is the ``lightning.pytorch`` class; the
+(:mod:`.registration`). ``CUDAGraphDDPStrategy`` below is the ``lightning.pytorch`` class; the
 ``pytorch_lightning`` one is in :mod:`cg_lightning.pytorch_lightning`. The public names are resolved on first use
 (PEP 562), so ``import cg_lightning.graphs`` or ``cg_lightning.ddp`` loads torch only, never Lightning,
 Accelerate, OmegaConf or jsonargparse.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, List
 
-from .trainer.registration import register_with_lightning
+from .registration import register_with_lightning
 
 __version__ = "0.1.0"
 

@@ -150,8 +150,8 @@ _INTERPRETERS.add("public-names", """
 
 #: the package's top-level modules: the torch-only base, the package's own entry points, and the two documented
 #: import paths kept for Lightning users (``cg_lightning.pytorch_lightning``, ``cg_lightning.distributed_optimizer``)
-TOP_LEVEL = set(TORCH_ONLY_MODULES) | {"__init__.py", "__main__.py", "errors.py", "options.py", "pytorch_lightning.py",
-                                       "distributed_optimizer.py"}
+TOP_LEVEL = set(TORCH_ONLY_MODULES) | {"__init__.py", "__main__.py", "errors.py", "options.py", "registration.py",
+                                       "pytorch_lightning.py", "distributed_optimizer.py"}
 
 
 def test_each_front_end_has_its_own_package_and_the_top_level_holds_the_base():

@@ -1,27 +1,30 @@
-"""``GraphedDataParallel``: the DDP engine that turns an Accelerate loop's calls into the lifecycle's events.
+"""``GraphedDataParallel``: the DDP engine that turns the calls of a loop the user writes into the lifecycle's events.
 
-Under Lightning, :class:`~cg_lightning.CUDAGraphDDPStrategy` maps Lightning's hooks onto a
-:class:`~cg_lightning.lifecycle.TrainingDriver`. An Accelerate script calls ``model(...)``,
-``accelerator.backward(loss)``, ``optimizer.step()`` and ``optimizer.zero_grad()`` instead; this engine owns
-a driver and maps those calls onto the same events:
+Under the Lightning Trainer, :class:`~cg_lightning.CUDAGraphDDPStrategy` maps Lightning's hooks onto a
+:class:`~cg_lightning.lifecycle.TrainingDriver`. An Accelerate or Fabric script calls ``model(...)``, the front
+end's backward (``accelerator.backward(loss)``, ``fabric.backward(loss)``), ``optimizer.step()`` and
+``optimizer.zero_grad()`` instead; this engine owns a driver and maps those calls onto the same events:
 
 * **micro-batch start**: the first forward with autograd enabled since the last backward calls
   ``begin_micro_batch(steps)``. Every forward until the backward belongs to that micro-batch, so a layer
   called twice gets call indices 0 and 1, as in one ``training_step``.
-* **backward** (driven by :meth:`CUDAGraphAccelerator.backward
-  <cg_lightning.accelerate.CUDAGraphAccelerator.backward>`): :meth:`start_backward` is the driver's
+* **backward** (driven by the front end's backward: :meth:`CUDAGraphAccelerator.backward
+  <cg_lightning.accelerate.CUDAGraphAccelerator.backward>`, :meth:`cg_lightning.fabric.CUDAGraphDDPStrategy.backward`):
+  :meth:`start_backward` is the driver's
   ``before_backward`` (the micro-batch ends, exposed gradients go back into ``main_grad``); after autograd,
   :meth:`finish_backward` is ``after_backward``: it waits for the buckets (unless under :meth:`no_sync`) and
   points ``param.grad`` at ``main_grad``, for clipping and the optimizer on the micro-batch that completes an
   optimizer step and, as plain PyTorch has it, on the others too.
-* **step count**: every micro-batch whose backward ran with Accelerate's ``sync_gradients`` completes one
-  optimizer step; their number (the driver's ``completed_steps``) is the graph schedule's step (as
+* **step count**: every micro-batch whose backward ran with gradient sync (Accelerate's ``sync_gradients``,
+  outside Fabric's ``no_backward_sync``) completes one optimizer step; their number (the driver's
+  ``completed_steps``) is the graph schedule's step (as
   Lightning's ``global_step``), so the schedule does not depend on the optimizer being prepared.
 * **zero_grad**: the prepared optimizer's ``zero_grad`` calls :meth:`zero_grad_buffer`. Gradients
   dropped or replaced in ``param.grad`` by other means (a raw optimizer's ``zero_grad``) are carried
   into ``main_grad`` before the next backward, so the result is what eager PyTorch computes.
 
-Imports only torch and the project's engine; the Accelerate glue lives in ``accelerator.py``.
+Imports only torch and the project's engine; the front ends' glue lives in :mod:`cg_lightning.accelerate` and
+:mod:`cg_lightning.fabric`.
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class GraphedDataParallel(DataParallelEngine):
         # armed by CUDAGraphAccelerator.backward only: a backward outside it (through accelerator.unwrap_model's
         # model, or after training) fills param.grad as plain PyTorch does
         self.hooks_armed = False
+        #: how the front end's backward is called, for messages
+        self.backward_call = "accelerator.backward(loss)"
 
     @property
     def graph_manager(self) -> Optional[GraphManager]:
@@ -171,13 +176,13 @@ class GraphedDataParallel(DataParallelEngine):
 
     # ----------------------------------------------------------------- optimizer
     def check_ready_for_step(self) -> None:
-        """Raise if a forward's backward did not go through ``accelerator.backward`` (no grads exposed)."""
+        """Raise if a forward's backward did not go through the front end's backward (no grads exposed)."""
         if self.driver.micro_batch_open and not self._step_backward_done:
+            call = self.backward_call
             raise RuntimeError(
-                "cg_lightning: the optimizer steps while a forward's backward has not gone through "
-                "accelerator.backward(loss). With CUDAGraphAccelerator call accelerator.backward(loss) "
-                "instead of loss.backward(): it finishes the gradient all-reduce and points param.grad at "
-                "param.main_grad."
+                f"cg_lightning: the optimizer steps while a forward's backward has not gone through {call}. "
+                f"Call {call} instead of loss.backward(): it finishes the gradient all-reduce and points "
+                "param.grad at param.main_grad."
             )
 
     def after_optimizer_step(self) -> None:

@@ -4,7 +4,7 @@
 ``pytorch_lightning`` package), :mod:`.faults` (bounded collectives, named peer errors, preemption),
 :mod:`.whole_step` and :mod:`.step_checks` (the training step as one graph, where it is provably safe),
 :mod:`.setup_checks` (options refused before the first step), :mod:`.distributed_optimizer` (its sharded
-checkpoint files and clipping), :mod:`.torch_ddp_options` (torch DDP keyword arguments) and :mod:`.registration`
-(the strategy name registered with each Lightning package as it is imported). Importing this package alone loads
-neither Lightning package; its modules do.
+checkpoint files and clipping) and :mod:`.torch_ddp_options` (torch DDP keyword arguments). The strategy name is
+registered with each Lightning package as it is imported by :mod:`cg_lightning.registration`. Importing this
+package alone loads neither Lightning package; its modules do.
 """

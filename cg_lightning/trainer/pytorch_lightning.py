@@ -25,7 +25,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from .registration import LightningNamespace
+from ..registration import LightningNamespace
 from ..callbacks.monitor import GraphMonitorMixin
 from ..callbacks.schedule import CUDAGraphCallbackMixin
 from .strategy import CUDAGraphDDPMixin

@@ -47,7 +47,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from .registration import LightningNamespace, wrong_trainer_error
+from ..registration import LightningNamespace, wrong_trainer_error
 from ..ddp import DataParallelEngine, DDPOptions
 from .distributed_optimizer import DistributedOptimizerMixin
 from ..graphs import GraphManager, GraphOptions, GraphStats

@@ -1,4 +1,4 @@
-"""Registering the strategy with each Lightning package without importing either first.
+"""Registering the strategy with each Lightning package and with Lightning Fabric without importing any first.
 
 There are two Lightning packages with the same code under two names, ``lightning.pytorch`` and the standalone
 ``pytorch_lightning``; a Trainer of one accepts only strategies built on its own ``Strategy``. So each has its
@@ -18,6 +18,9 @@ Once the classes of both packages exist, each is also registered as a virtual su
 ``Strategy`` (:meth:`abc.ABCMeta.register`). A Trainer handed the other package's class then passes its type
 check and sets the strategy's accelerator, where the class raises :func:`wrong_trainer_error`, naming the import
 that fits, instead of Lightning's "invalid strategy".
+
+Fabric (``lightning.fabric``) is watched the same way; its strategy (:mod:`cg_lightning.fabric.strategy`) is a
+Fabric ``Strategy``, registered in Fabric's own registry under the same names.
 """
 
 from __future__ import annotations
@@ -156,17 +159,40 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 _finder = _PostImportFinder()
 
 
+#: Lightning Fabric and the module of its strategy class (a Fabric ``Strategy``: no virtual subclassing with the
+#: Trainer strategies, whose base class is another)
+FABRIC, FABRIC_MODULE = "lightning.fabric", "cg_lightning.fabric.strategy"
+
+
+def register_with_fabric(_name: str = FABRIC) -> None:
+    """Register ``"cudagraph_ddp"`` (and its ``find_unused_parameters`` alias) with Fabric's strategy registry, once.
+    While the strategy module itself is being imported, its last line calls this instead."""
+    module = sys.modules.get(FABRIC_MODULE)
+    if module is not None and not hasattr(module, "CUDAGraphDDPStrategy"):
+        return  # the strategy module imports Fabric and registers itself when it is complete
+    registry = importlib.import_module(f"{FABRIC}.strategies").STRATEGY_REGISTRY
+    strategy_module = importlib.import_module(FABRIC_MODULE)  # a first import registers at its last line
+    with _lock:
+        if "cudagraph_ddp" not in registry:
+            strategy_module.CUDAGraphDDPStrategy.register_strategies(registry)
+
+
 def register_with_lightning() -> None:
-    """Register the strategy name with each Lightning package: now if it is imported, else once it is (a package
-    that is not installed is never imported, and its watch costs one dictionary look-up per import)."""
+    """Register the strategy name with each Lightning package and with Fabric: now if it is imported, else once it
+    is (a package that is not installed is never imported, and its watch costs one dictionary look-up per
+    import)."""
     with _lock:  # watch first: registering one package may import the other
         for namespace, module in _NAMESPACES.items():
             if namespace not in sys.modules:
                 _finder.pending[namespace] = _namespace_loaded
                 if module not in sys.modules:
                     _finder.pending[module] = _module_loaded
+        if FABRIC not in sys.modules:
+            _finder.pending[FABRIC] = register_with_fabric
         if _finder.pending and _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
     for namespace in _NAMESPACES:
         if namespace in sys.modules:
             _register(namespace)
+    if FABRIC in sys.modules:
+        register_with_fabric()

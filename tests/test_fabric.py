@@ -1,0 +1,161 @@
+"""``Fabric(strategy="cudagraph_ddp")`` against Fabric's own ``"ddp"``, bit for bit on the CPU (graphs on the eager
+backend): one process in-process, two processes launched by Fabric (gloo); accumulation, clipping, bf16-mixed, a
+transformers Llama, ``fabric.save`` / ``fabric.load`` in the middle of a run; the strategy names and the refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cg_lightning  # noqa: F401  (registers "cudagraph_ddp" with Fabric)
+from cg_lightning.fabric import CUDAGraphDDPStrategy
+from cg_lightning.lifecycle import GraphedDataParallel
+from tests.fabric_loop import train
+from tests.helpers import ROOT, free_port, subprocess_env
+
+
+def _engine(**graphs):
+    return CUDAGraphDDPStrategy(graphs={"warmup_steps": 1, **graphs})
+
+
+def _assert_same(got, ref):
+    assert torch.equal(got["losses"], ref["losses"]), (got["losses"] - ref["losses"]).abs().max()
+    for name, p in ref["weights"].items():
+        assert torch.equal(got["weights"][name], p), name
+    for slot, state in ref["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["optimizer"]["state"][slot][key], value), (slot, key)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("accumulate, clip", [(1, None), (2, 0.05)])
+def test_one_process_equals_fabric_ddp(precision, accumulate, clip):
+    ref = train("ddp", precision=precision, accumulate=accumulate, clip=clip)
+    got = train(_engine(), precision=precision, accumulate=accumulate, clip=clip)
+    _assert_same(got, ref)
+    assert got["stats"]["captured_runners"] == 3 and got["stats"]["forward_replays"] > 0, got["stats"]
+
+
+def test_a_transformers_llama_equals_fabric_ddp():
+    pytest.importorskip("transformers")
+    ref = train("ddp", model="llama", accumulate=2, clip=1.0)
+    got = train(_engine(), model="llama", accumulate=2, clip=1.0)
+    _assert_same(got, ref)
+    assert got["stats"]["forward_replays"] > 0, got["stats"]
+
+
+def test_the_strategy_strings_build_the_engine():
+    from lightning.fabric import Fabric
+
+    for name, unused in (("cudagraph_ddp", False), ("cudagraph_ddp_find_unused_parameters_true", True)):
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=name)
+        assert isinstance(fabric.strategy, CUDAGraphDDPStrategy)
+        assert fabric.strategy.ddp_options.find_unused_parameters is unused
+        fabric.launch()
+        model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+        assert isinstance(model._forward_module, GraphedDataParallel)
+        fabric.strategy.teardown()
+
+
+def test_save_and_load_in_the_middle_resume_exactly(tmp_path):
+    path = str(tmp_path / "ckpt")
+    whole = train(_engine(), steps=6, accumulate=2)
+    train(_engine(), steps=3, accumulate=2, save=path, save_at=3)
+    resumed = train(_engine(), steps=6, accumulate=2, resume=path)
+    for name, p in whole["weights"].items():
+        assert torch.equal(resumed["weights"][name], p), name
+    assert torch.equal(resumed["losses"], whole["losses"][6:])
+    ref_path = str(tmp_path / "ref")
+    train("ddp", steps=3, accumulate=2, save=ref_path, save_at=3)
+    ours, theirs = torch.load(path, weights_only=False), torch.load(ref_path, weights_only=False)
+    assert sorted(ours["model"]) == sorted(theirs["model"])  # the keys "ddp" writes: a checkpoint for either
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"graphs": {"whole_step": True}}, "graphs.whole_step does not apply under Fabric"),
+    ({"graphs": {"capture_optimizer": True}}, "graphs.capture_optimizer does not apply under Fabric"),
+    ({"ddp": {"distributed_optimizer": True}}, "ddp.distributed_optimizer is not supported under Fabric"),
+    ({"find_unused_parameters": True}, "find_unused_parameters: torch DistributedDataParallel arguments"),
+    ({"graphs": {"warmup_step": 1}}, "warmup_step"),
+])
+def test_what_does_not_apply_is_refused_with_the_option_named(options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        CUDAGraphDDPStrategy(**options)
+
+
+SCRIPT = os.path.join(ROOT, "tests", "fabric_loop.py")
+#: how the two processes are started: by Fabric's own launcher (``fabric.launch()``), by torchrun, by ``fabric run``
+LAUNCHERS = {
+    "fabric.launch": lambda: [sys.executable, SCRIPT],
+    "torchrun": lambda: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                         "127.0.0.1", "--master_port", str(free_port()), SCRIPT],
+    "fabric run": lambda: [sys.executable, "-c", "from lightning.fabric.cli import _main; _main()", "run",
+                           "--accelerator=cpu", "--devices=2", SCRIPT],
+}
+ARGS = ("--accumulate", "2", "--clip", "0.05", "--amp", "bf16-mixed")
+
+
+def _two_processes(tmp_path, launcher: str, strategy: str) -> dict:
+    out = str(tmp_path / f"{strategy}-{launcher}.pt")
+    env = subprocess_env(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run([*LAUNCHERS[launcher](), "--use", strategy, "--out", out, *ARGS], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def fabric_ddp_two_processes(tmp_path_factory):
+    return _two_processes(tmp_path_factory.mktemp("ddp"), "fabric.launch", "ddp")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_two_processes_equal_fabric_ddp(tmp_path, launcher, fabric_ddp_two_processes):
+    ref = fabric_ddp_two_processes
+    got = _two_processes(tmp_path, launcher, "cudagraph_ddp")
+    assert ref["world_size"] == got["world_size"] == 2
+    _assert_same(got, ref)
+    assert got["stats"]["forward_replays"] > 0, got["stats"]
+
+
+def test_the_example_script_trains_and_reports_its_graphs(tmp_path):
+    """``examples/train_fabric.py`` as documented, one process on the CPU, with a checkpoint at the end."""
+    ckpt = str(tmp_path / "gpt.ckpt")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_fabric.py"), "--accelerator", "cpu",
+                           "--steps", "3", "--log-every", "1", "--checkpoint", ckpt],
+                          env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "graphed calls 4, forward replays" in done.stdout and "step 2: loss" in done.stdout, done.stdout
+    assert set(torch.load(ckpt, weights_only=False)) == {"model", "optimizer", "step"}
+
+
+@pytest.fixture
+def deterministic():
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", ["parity", "llama"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_real_graphs_equal_fabric_ddp(model, precision, deterministic):
+    """On the GPU with CUDA graphs: every precision (16-mixed through its GradScaler), bit for bit."""
+    if model == "llama":
+        pytest.importorskip("transformers")
+    kw = dict(model=model, precision=precision, accumulate=2, clip=1.0, accelerator="cuda", steps=5)
+    ref = train("ddp", **kw)
+    got = train(_engine(backend="cuda"), **kw)
+    assert got["scaler"] == (precision == "16-mixed")
+    _assert_same(got, ref)
+    assert got["stats"]["captured_runners"] == 3 and got["stats"]["forward_replays"] > 0, got["stats"]
+    print(f"fabric {model} {precision} cuda graphs: loss diff 0, weight diff 0, "
+          f"replays {got['stats']['forward_replays']}")
