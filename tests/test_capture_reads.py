@@ -12,7 +12,7 @@ import torch
 
 from cg_lightning.graphs.capture_reads import (ReadsDiverged, answer_reads, capture_seen_by_code,
                                                eager_path_under_capture, record_reads)
-from cg_lightning.graphs.host_sync import HostSyncError
+from cg_lightning.graphs.errors import HostSyncError
 
 
 def _constant_reads(x: torch.Tensor) -> torch.Tensor:

@@ -176,3 +176,20 @@ def test_documented_import_paths_still_resolve():
         from cg_lightning.trainer.pytorch_lightning import CUDAGraphDDPStrategy as PLDefined
 
         assert PLStrategy is PLDefined
+
+
+def test_the_graph_errors_live_in_one_module_that_imports_nothing():
+    """Every ``...Error`` class of ``graphs/`` is defined in ``graphs/errors.py``, which imports no other module, so
+    any part of ``graphs/`` (``segments/`` included) raises them without importing another part."""
+    graphs = os.path.join(ROOT, "cg_lightning", "graphs")
+    where = {}
+    for folder, _, names in os.walk(graphs):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                for node in ast.parse(open(path).read()).body:
+                    if isinstance(node, ast.ClassDef) and node.name.endswith("Error"):
+                        where[node.name] = os.path.relpath(path, graphs)
+    assert where and set(where.values()) == {"errors.py"}, where
+    tree = ast.parse(open(os.path.join(graphs, "errors.py")).read())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]

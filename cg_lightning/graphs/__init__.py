@@ -3,15 +3,12 @@
 Imports only torch.
 """
 
-from .buffer_reuse import BufferReuseError
 from .checkpointing import CheckpointWithoutOutput, checkpoint
+from .errors import BufferReuseError, GraphCaptureError, GraphSignatureError, HostSyncError, SegmentError
 from .graph_sets import GraphStats
 from .manager import GraphManager
 from .options import GraphOptions
-from .guards import GraphCaptureError
 from .runner import LayerGraphRunner
-from .segments import SegmentError
-from .signature import GraphSignatureError
 from .state import is_graph_capturing, is_graph_warmup
 
 __all__ = [
@@ -22,6 +19,7 @@ __all__ = [
     "GraphOptions",
     "GraphSignatureError",
     "GraphStats",
+    "HostSyncError",
     "LayerGraphRunner",
     "SegmentError",
     "checkpoint",

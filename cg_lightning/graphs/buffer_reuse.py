@@ -24,11 +24,7 @@ from typing import List, Sequence
 import torch
 
 from ..torch_compat import non_owning_alias, version
-from .segments.errors import SegmentError
-
-
-class BufferReuseError(RuntimeError):
-    """A callable in memory-saving mode was not called with the previous callable's output."""
+from .errors import BufferReuseError, SegmentError
 
 
 def copy_into_static(statics: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:

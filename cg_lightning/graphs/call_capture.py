@@ -31,10 +31,11 @@ from . import guards
 from .autocast import autocast_as, autocast_off
 from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
 from .discovery import params_to_backprop, reachable_leaves
-from .guards import GraphCaptureError
+from .errors import GraphCaptureError
 from .host_sync import refuse_host_sync
 from .input_pieces import InputPieces, piece_inputs
-from .outputs import OutputStructureError, split_outputs
+from .errors import OutputStructureError
+from .outputs import split_outputs
 from .replay_plan import ReplayPlan, foreign_in
 from .routing import Routing
 from .state import graph_capture, graph_warmup, recording_grad_ready

@@ -17,7 +17,7 @@ from .buffer_reuse import (
     share_inputs_with_previous_outputs,
 )
 from ..main_grad_adds import MainGradAdds
-from .guards import GraphCaptureError
+from .errors import GraphCaptureError
 from .segments import SharedContext, has_context, members_capturing, segment_capture, share_context_inputs
 
 

@@ -38,7 +38,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..torch_compat import TorchDispatchMode, tree_flatten
-from .host_sync import SYNC_OPS, HostSyncError, _user_frame
+from .errors import HostSyncError
+from .host_sync import SYNC_OPS, _user_frame
 
 _aten = torch.ops.aten
 #: host reads of a scalar: answered with a Python number

@@ -34,7 +34,8 @@ from .buffer_reuse import copy_into_static
 from .capture_order import preserved_training_state
 from ..torch_compat import is_compiled
 from .host_sync import hook_dicts, hooks_inside, refuse_host_sync
-from .outputs import OutputStructure, OutputStructureError, split_outputs
+from .errors import OutputStructureError
+from .outputs import OutputStructure, split_outputs
 from .signature import CallSignature
 
 

@@ -15,11 +15,8 @@ import torch
 
 from .. import torch_compat
 from .discovery import leaf_tensors
-from .host_sync import HostSyncError, hooks_inside
-
-
-class GraphCaptureError(RuntimeError):
-    """A layer could not be captured; the message names the layer and the cause."""
+from .errors import GraphCaptureError, HostSyncError
+from .host_sync import hooks_inside
 
 
 def refuse_capture_only_hooks(name: str, module: torch.nn.Module) -> None:

@@ -24,6 +24,7 @@ from typing import List, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .errors import HostSyncError
 from .observer_hooks import is_observer
 from ..torch_compat import (
     TorchDispatchMode,
@@ -53,9 +54,6 @@ SYNC_OPS = {
 
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
 
-
-class HostSyncError(RuntimeError):
-    """A host synchronization inside a graphed layer (see the module docstring)."""
 
 
 def _user_frame() -> Optional[str]:

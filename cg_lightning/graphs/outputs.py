@@ -19,15 +19,12 @@ from typing import List, Sequence, Tuple
 import torch
 
 from .. import torch_compat
+from .errors import OutputStructureError
 
 #: leaf types a graphed call may return besides tensors: immutable values, kept from the capture
 CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
                   torch.memory_format, type(Ellipsis))
 
-
-class OutputStructureError(TypeError):
-    """A call's output holds a leaf that is neither a tensor nor a constant of :data:`CONSTANT_TYPES`, or no
-    tensor at all."""
 
 
 class OutputStructure:

@@ -30,7 +30,8 @@ from torch.autograd.function import once_differentiable
 from .autocast import autocast_state, uncached_autocast
 from .capture_order import preserved_training_state
 from .discovery import reachable_leaves
-from .signature import GraphSignatureError, TensorMeta, _same_value
+from .errors import GraphSignatureError
+from .signature import TensorMeta, _same_value
 from ..torch_compat import (
     TorchDispatchMode,
     keystr,

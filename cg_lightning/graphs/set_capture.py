@@ -23,7 +23,7 @@ from .. import protocol
 from . import direct_ready
 from .capture_order import capture_in_order
 from .graph_sets import GraphSet, GraphSetCache, GraphStats
-from .guards import GraphCaptureError
+from .errors import GraphCaptureError
 from .options import GraphOptions
 from .recording import CallRecord, StepRecord
 from .runner import LayerGraphRunner

@@ -25,7 +25,7 @@ from .graph_sets import GraphSet, GraphStats
 from .options import GraphOptions
 from .replay_node import ReplayFunction
 from .segments import dispatch as segment_calls
-from .signature import GraphSignatureError
+from .errors import GraphSignatureError
 
 
 def _members_match(segment) -> bool:

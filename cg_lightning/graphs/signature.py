@@ -8,10 +8,7 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 from .. import torch_compat
-
-
-class GraphSignatureError(RuntimeError):
-    """A call's arguments differ from those a graph was captured with (shape policy ``"error"``)."""
+from .errors import GraphSignatureError
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import torch
 from .. import protocol, torch_compat
 from ..graphs import GraphSignatureError
 from ..graphs.capture_reads import ReadsDiverged
-from ..graphs.host_sync import HostSyncError
+from ..graphs.errors import HostSyncError
 from ..graphs.selection import no_default_layers_message
 from ..graphs.step_code import StepCodeReport, check_step_code
 from ..graphs.whole_step import StepGraph, StepGraphs, StepGuards

@@ -51,7 +51,7 @@ eager with the rest of its pass).
 
 from .chains import breaks_between, draws, find_segments, mark_outside_uses, rng_moved, rng_state, segment_ends
 from .context import SharedContext, has_context, share_context_inputs
-from .errors import SegmentError
+from ..errors import SegmentError
 from .graphs import SegmentState, members_capturing, segment_capture
 
 __all__ = [

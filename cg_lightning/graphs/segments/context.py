@@ -19,7 +19,7 @@ from ... import torch_compat
 from ...torch_compat import tree_flatten
 from ..signature import _same_value
 from .chains import CONSTANTS, _same_tensor
-from .errors import SegmentError
+from ..errors import SegmentError
 
 _MISSING = object()
 

@@ -21,7 +21,7 @@ import torch
 from ... import torch_compat
 from . import node
 from .context import has_context
-from .errors import SegmentError
+from ..errors import SegmentError
 
 #: what :func:`follow` returns when the member replays through its own node
 NOT_HANDED = object()

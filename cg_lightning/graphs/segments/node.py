@@ -30,7 +30,7 @@ from ..buffer_reuse import check_shared_inputs
 from ..replay_node import check_leaves_accumulate, check_second_backward
 from .chains import rng_moved, rng_state
 from .context import has_context
-from .errors import SegmentError
+from ..errors import SegmentError
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
