@@ -259,6 +259,26 @@ def foreach_zero_(tensors: Sequence[torch.Tensor]) -> None:
     zero(tensors)
 
 
+def group_tensors_by_device_and_dtype(lists: List[List[torch.Tensor]]) -> dict:
+    """``torch.optim.Optimizer._group_tensors_by_device_and_dtype``: the grouping the fused and foreach optimizer
+    steps use (the cached fused Adam step groups its lists once, the same way)."""
+    group = getattr(torch.optim.Optimizer, "_group_tensors_by_device_and_dtype", None)
+    if group is None:
+        raise _missing("torch.optim.Optimizer._group_tensors_by_device_and_dtype", "graphs.cached_optimizer_step",
+                       "Set graphs.cached_optimizer_step=False.")
+    return group(lists)
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Set ``optimizer._opt_called``, what torch's LR-scheduler wrapper of ``step()`` records, so that a scheduler
+    stepped after a replaced ``step()`` does not warn that the optimizer never stepped."""
+    optimizer._opt_called = True
+
+
+#: ``aten._to_copy``: the operator a dtype or device conversion (``.to``, autocast's casts) dispatches to
+TO_COPY = torch.ops.aten._to_copy.default
+
+
 def fused_adam_kernel(decoupled_weight_decay: bool) -> Callable:
     """``torch._fused_adamw_`` (``decoupled_weight_decay``) or ``torch._fused_adam_``: the kernels behind
     ``Adam(fused=True)``, called directly by the cached fused Adam step (``optim.fused_adam_step``)."""

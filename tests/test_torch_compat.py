@@ -16,7 +16,9 @@ PRIVATE_NAMES = {"_C", "_pytree", "_python_dispatch", "CheckpointFunction", "__w
 # torch's hook dictionaries on modules, tensors and optimizers, version counters, torch._foo_ kernels
 _HOOKS = r"_(forward|forward_pre|backward|backward_pre|post_accumulate_grad|optimizer_step_pre|optimizer_step_post|global_[a-z_]+)_hooks"
 PRIVATE_ATTR = re.compile(_HOOKS + r"|_version|_[a-z][a-z_]*_")
-PRIVATE_OWNERS = {"torch", "dist", "optim_mod", "module"}  # torch, torch.distributed, ... : any _name on them
+# torch, torch.distributed, optimizers (the class and instances by their usual name), aten operators: any _name on
+# them (Optimizer._group_tensors_by_device_and_dtype, optimizer._opt_called, torch.ops.aten._to_copy)
+PRIVATE_OWNERS = {"torch", "dist", "optim_mod", "module", "Optimizer", "optimizer", "aten", "_aten"}
 PRIVATE_STRING = re.compile(r"^(_C\b|" + _HOOKS + r"$|_version$|_broadcast_coalesced$|_[a-z][a-z_]*_$)")
 
 
@@ -58,8 +60,12 @@ def test_the_check_sees_private_uses(tmp_path):
                      "h = m._forward_pre_hooks\n"
                      'g = getattr(dist, "_broadcast_coalesced", None)\n'
                      "x = torch._C._will_engine_execute_node(n)\n"
-                     "y = torch_compat.version(t)\n")
-    assert [line for line, _ in _private_uses(probe)] == [2, 3, 4, 5, 6, 7]
+                     "y = torch_compat.version(t)\n"
+                     "g = torch.optim.Optimizer._group_tensors_by_device_and_dtype(lists)\n"
+                     "optimizer._opt_called = True\n"
+                     "op = torch.ops.aten._to_copy.default\n"
+                     "op = _aten._to_copy.default\n")
+    assert [line for line, _ in _private_uses(probe)] == [2, 3, 4, 5, 6, 7, 9, 10, 11, 12]
 
 
 def test_missing_private_api_names_feature_version_and_remedy(monkeypatch):

@@ -37,7 +37,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..torch_compat import TorchDispatchMode, tree_flatten
+from ..torch_compat import TO_COPY, TorchDispatchMode, tree_flatten
 from .errors import HostSyncError
 from .host_sync import SYNC_OPS, _user_frame
 
@@ -49,7 +49,7 @@ _SCALAR_READS = {op.default for op in _SCALAR_READS}
 #: ops whose result starts a constant chain though their input was made before the run (a Python literal)
 _LITERALS = {op.default for op in (getattr(_aten, n, None) for n in ("lift_fresh", "lift_fresh_copy")) if op is not None}
 #: copies that move data to the host
-_COPIES = {_aten._to_copy.default, _aten.copy_.default}
+_COPIES = {TO_COPY, _aten.copy_.default}
 #: Tensor methods that hand a tensor's data to Python without a scalar read the dispatcher sees (a CPU tensor)
 _PY_READS = {torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()", torch.Tensor.__repr__: "printing a tensor",
              torch.Tensor.__str__: "printing a tensor", torch.Tensor.__format__: "formatting a tensor into a string"}
@@ -72,7 +72,7 @@ def _written(func) -> List[int]:
 
 
 def _is_host_copy(func, args: tuple, kwargs: dict) -> bool:
-    if func is _aten._to_copy.default:
+    if func is TO_COPY:
         src, device = args[0], kwargs.get("device")
         return isinstance(src, torch.Tensor) and src.device.type != "cpu" and device is not None \
             and torch.device(device).type == "cpu"
@@ -137,7 +137,7 @@ class ConstantReads(TorchDispatchMode):
         constant = all(self.is_constant(t) for t in tensors)
         name = func.__name__.split(".")[0]
         if func in _SCALAR_READS or _is_host_copy(func, args, kwargs):
-            source = tensors if func in _SCALAR_READS else [args[0] if func is _aten._to_copy.default else args[1]]
+            source = tensors if func in _SCALAR_READS else [args[0] if func is TO_COPY else args[1]]
             if not all(self.is_constant(t) for t in source):
                 if self.answering:
                     raise self._refuse(f"{name} ({SYNC_OPS.get(func, 'a copy to the host')})")

@@ -33,6 +33,7 @@ from .discovery import reachable_leaves
 from .errors import GraphSignatureError
 from .signature import TensorMeta, _same_value
 from ..torch_compat import (
+    TO_COPY,
     TorchDispatchMode,
     keystr,
     tree_flatten,
@@ -46,7 +47,7 @@ _HOLDS = {
     torch.float32: (torch.float16, torch.bfloat16, torch.float32),
     torch.float64: (torch.float16, torch.bfloat16, torch.float32, torch.float64),
 }
-_TO_COPY = torch.ops.aten._to_copy.default
+_TO_COPY = TO_COPY
 
 
 def _storage(t: torch.Tensor) -> Optional[int]:

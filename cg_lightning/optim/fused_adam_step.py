@@ -36,7 +36,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ..torch_compat import foreach_add_, fused_adam_kernel
+from ..torch_compat import foreach_add_, fused_adam_kernel, group_tensors_by_device_and_dtype
 from .step_graph import has_step_hooks
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -76,7 +76,7 @@ class _Group:
         if not with_grad:
             self.buckets: List[Tuple[List[torch.Tensor], ...]] = []
             return
-        grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(lists)
+        grouped = group_tensors_by_device_and_dtype(lists)
         self.buckets = [tuple(tensors) for (_, (tensors, _)) in grouped.items()]
 
     def unchanged(self) -> bool:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from ..torch_compat import optimizer_has_step_hooks
+from ..torch_compat import mark_optimizer_stepped, optimizer_has_step_hooks
 
 _STEP_KEYS_IGNORED = ("params", "lr")
 
@@ -268,12 +268,12 @@ class _Same:
 def step_replaced(optimizer: torch.optim.Optimizer, step: Callable[[Optional[Callable[[], Any]]], Any]) -> Iterator[None]:
     """Within the block, ``optimizer.step(closure=None, **kwargs)`` calls ``step(closure)`` instead (an instance
     attribute over the class method; whatever instance attribute was there, e.g. an LR scheduler's
-    wrapper, is put back afterwards). Marks the step as taken for LR schedulers (``_opt_called``)."""
+    wrapper, is put back afterwards). Marks the step as taken for LR schedulers (``torch_compat.mark_optimizer_stepped``)."""
     had = "step" in optimizer.__dict__
     saved = optimizer.__dict__.get("step")
 
     def replaced(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # what torch's LR-scheduler wrapper of step() records
+        mark_optimizer_stepped(optimizer)
         return step(closure)
 
     optimizer.step = replaced

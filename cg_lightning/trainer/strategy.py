@@ -303,7 +303,7 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         ``on_before_zero_grad``, as under ``"ddp"``; Lightning's ``zero_grad`` before the next backward sets
         them to ``None`` and the driver's ``before_backward`` zeroes ``main_grad`` to match."""
         if isinstance(optimizer, self._lightning_ns.optimizer_wrapper):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         driver = self.driver
         if driver is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -330,7 +330,7 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
         """The optimizer's state dict, with ``capturable`` as the user set it (a captured step sets it on every
         group), so the checkpoint loads under any strategy."""
         state = super().optimizer_state(optimizer)
-        raw = optimizer._optimizer if isinstance(optimizer, self._lightning_ns.optimizer_wrapper) else optimizer
+        raw = optimizer.optimizer if isinstance(optimizer, self._lightning_ns.optimizer_wrapper) else optimizer
         return self.driver.optimizer_state_view(raw, state) if self.driver is not None else state
 
     # ----------------------------------------------------------------- teardown
