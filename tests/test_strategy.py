@@ -324,3 +324,21 @@ def test_gan_passes_replay_their_own_graph_sets():
     assert stats.graph_sets == 2 and stats.fallback_calls == 0 and stats.forward_replays > 0, vars(stats)
     for (name, p), q in zip(ref.named_parameters(), got.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_the_callbacks_and_the_command_line_mark_their_lightning_overrides():
+    """``GraphMonitor``, ``CUDAGraphCallback`` and the command line's ``LightningCLI`` and callback mark every method
+    they override with ``@override`` (a renamed Lightning hook is then a type checker's error, not a silent no-op)."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.cli import LightningCLI
+
+    from cg_lightning.callbacks import CUDAGraphCallback, GraphMonitor
+    from cg_lightning.cli.app import CGLightningCLI, _FirstBatch
+
+    checked = 0
+    for cls, base in ((GraphMonitor, Callback), (CUDAGraphCallback, Callback), (_FirstBatch, Callback),
+                      (CGLightningCLI, LightningCLI)):
+        for name, func in _overrides(cls, base):
+            assert getattr(func, "__override__", False), f"{cls.__name__}.{name} lacks @override"
+            checked += 1
+    assert checked >= 15, checked

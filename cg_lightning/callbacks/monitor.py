@@ -10,6 +10,7 @@ import time
 from typing import Optional
 
 from lightning.pytorch import Callback
+from typing_extensions import override
 
 
 def graph_state(stats) -> str:
@@ -72,6 +73,7 @@ class GraphMonitorMixin:
         return None if whole_step is None else whole_step.stats
 
     # ----------------------------------------------------------------- progress bar
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         bar = trainer.progress_bar_callback
         if not self.prog_bar or bar is None or "get_metrics" in bar.__dict__:
@@ -91,12 +93,14 @@ class GraphMonitorMixin:
         bar.get_metrics = get_metrics  # on this instance only; removed at teardown
         self._bar = bar
 
+    @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if self._bar is not None:
             self._bar.__dict__.pop("get_metrics", None)
             self._bar = None
 
     # ----------------------------------------------------------------- metrics
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         stats, step_stats = self._stats(trainer), self._step_stats(trainer)
         if stats is None and step_stats is None:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from ..graphs import GraphOptions
 
@@ -73,6 +74,7 @@ class CUDAGraphCallbackMixin:
         for name in values:
             setattr(options, name, getattr(checked, name))  # in place: a manager built already sees them
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not hasattr(trainer.strategy, "graph_options"):
             self._rank_zero_warn("CUDAGraphCallback has no effect: the strategy is not 'cudagraph_ddp'.")
@@ -97,12 +99,14 @@ class CUDAGraphCallbackMixin:
         now = manager.signatures() if manager is not None else getattr(self, "_last_signatures", [])
         return self.previous_signatures + [s for s in now if s not in self.previous_signatures]
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         manager = self._manager()
         if manager is not None:
             self._last_signatures = manager.signatures()
 
     # ----------------------------------------------------------------- checkpoints
+    @override
     def state_dict(self) -> Dict[str, Any]:
         options = getattr(self._strategy, "graph_options", None)
         return {
@@ -111,6 +115,7 @@ class CUDAGraphCallbackMixin:
             "options": {k: getattr(options, k) for k in SCHEDULE_FIELDS} if options is not None else {},
         }
 
+    @override
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.previous_captures = int(state_dict.get("captures", 0))
         self.previous_signatures = list(state_dict.get("signatures", []))

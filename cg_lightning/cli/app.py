@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
 from cg_lightning.errors import ConfigError
 
@@ -54,6 +55,7 @@ class _FirstBatch(Callback):
 
     started = False
 
+    @override
     def _start(self, *args: Any, **kwargs: Any) -> None:
         self.started = True
 
@@ -91,9 +93,11 @@ class CGLightningCLI(LightningCLI):
         super().__init__(*args, trainer_defaults={"strategy": "cudagraph_ddp", **(trainer_defaults or {})},
                          save_config_kwargs={"overwrite": True, **(save_config_kwargs or {})}, **kwargs)
 
+    @override
     def init_parser(self, **kwargs: Any) -> Any:
         return super().init_parser(**{**PARSER_DEFAULTS, **kwargs})
 
+    @override
     def setup_parser(self, add_subcommands: bool, main_kwargs: Dict[str, Any], subparser_kwargs: Dict[str, Any]) -> None:
         """``LightningCLI``'s parsers; with ``reuse_parsers`` (what :func:`main` asks for) built once per process and
         class: their construction (every signature of the Trainer, four times) costs more than a parse."""
@@ -111,6 +115,7 @@ class CGLightningCLI(LightningCLI):
                              getattr(self, "_subcommand_method_arguments", None))
 
     # ------------------------------------------------------------------ parsing
+    @override
     def parse_arguments(self, parser: Any, args: Any) -> None:
         if isinstance(args, dict) or not (args is None or isinstance(args, (list, tuple))):
             return super().parse_arguments(parser, args)  # a dict or Namespace: no files, nothing to trace
@@ -156,6 +161,7 @@ class CGLightningCLI(LightningCLI):
         restore_written_ints(section.get("trainer"), merged.get("trainer"))
         self._reporter.raise_if(check_values(section))
 
+    @override
     def _parse_ckpt_path(self) -> None:
         """Refuses a ``ckpt_path`` that is no file or not a Lightning checkpoint, then reads its hyperparameters as
         ``LightningCLI`` does."""
@@ -171,6 +177,7 @@ class CGLightningCLI(LightningCLI):
                                                           f"parse: {' '.join(str(exc).split())[:300]}")], exc)
 
     # ------------------------------------------------------------------ building
+    @override
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -179,6 +186,7 @@ class CGLightningCLI(LightningCLI):
         except Exception as exc:
             self._reporter.raise_if(instantiation_problems(self._section(), exc), exc)
 
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         try:
             trainer = super().instantiate_trainer(**kwargs)
@@ -199,6 +207,7 @@ class CGLightningCLI(LightningCLI):
         return self.config.get(str(self.subcommand), self.config) if getattr(self, "subcommand", None) else self.config
 
     # ------------------------------------------------------------------ running
+    @override
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
