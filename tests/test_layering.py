@@ -16,8 +16,8 @@ from tests.helpers import ROOT
 from tests.launchers import StartedTogether
 
 FRONT_ENDS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "omegaconf")
-TORCH_ONLY = ("graphs", "ddp", "optim")
-TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "torch_compat.py", "option_checks.py", "collate.py", "main_grad_adds.py")
+TORCH_ONLY = ("graphs", "ddp", "optim", "torch_compat")
+TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "option_checks.py", "collate.py", "main_grad_adds.py")
 
 
 class _Interpreters(StartedTogether):
@@ -52,7 +52,7 @@ _INTERPRETERS.add("engine", textwrap.dedent("""
         import importlib, pkgutil
         import cg_lightning.graphs, cg_lightning.ddp, cg_lightning.protocol, cg_lightning.phase
         import cg_lightning.torch_compat, cg_lightning.optim, cg_lightning.option_checks, cg_lightning.collate
-        for pkg in (cg_lightning.graphs, cg_lightning.ddp, cg_lightning.optim):
+        for pkg in (cg_lightning.graphs, cg_lightning.ddp, cg_lightning.optim, cg_lightning.torch_compat):
             for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 importlib.import_module(info.name)
     """) + textwrap.dedent(_LOADED.format(front_ends=FRONT_ENDS)))
