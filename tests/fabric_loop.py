@@ -1,15 +1,21 @@
 """A Lightning Fabric training loop, run under Fabric's ``"ddp"`` and under ``"cudagraph_ddp"`` on the same seed and
 data (``tests/test_fabric.py``): accumulation with ``fabric.no_backward_sync``, clipping with
 ``fabric.clip_gradients``, ``fabric.save`` / ``fabric.load``. In-process with one device (:func:`train`), or as a
-script with two (``fabric.launch()`` starts the second process; rank 0 writes the result to ``--out``)."""
+script with two (``fabric.launch()`` starts the second process; rank 0 writes the result to ``--out``).
+
+As a script, ``--stop-rank R --stop-step S --faults DIR``: rank R writes the time to ``DIR/stopped`` and stops
+itself (SIGSTOP) before step S; every rank writes its pid to ``DIR/pid{rank}`` and, on an exception,
+``DIR/error{rank}.txt`` (the time, then ``Type: message``); ``ddp.timeout_s`` is ``--timeout-s``."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 import os
+import signal
 import sys
-from typing import Any, Dict, Optional
+import time
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +54,8 @@ def _loss(model_name: str, model, batch) -> torch.Tensor:
 
 def train(strategy: Any, *, model: str = "parity", precision: str = "32-true", steps: int = 6, accumulate: int = 1,
           clip: Optional[float] = None, devices: int = 1, save: Optional[str] = None, save_at: int = 0,
-          resume: Optional[str] = None, accelerator: str = "cpu") -> Dict[str, Any]:
+          resume: Optional[str] = None, accelerator: str = "cpu",
+          stop: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
     """Train for ``steps`` optimizer steps of ``accumulate`` micro-batches each; returns the losses (rank 0's), the
     final parameters, the optimizer state and, under the engine, its graph counters (``stats``)."""
     fabric = Fabric(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision)
@@ -68,6 +75,8 @@ def train(strategy: Any, *, model: str = "parity", precision: str = "32-true", s
     losses = []
     cycle = itertools.islice(itertools.cycle(batches), start * accumulate, None)
     for step in range(start, steps):
+        if stop is not None:
+            stop(step, fabric.global_rank)
         for micro in range(accumulate):
             batch = next(cycle)
             with fabric.no_backward_sync(net, enabled=micro < accumulate - 1):
@@ -105,12 +114,36 @@ if __name__ == "__main__":
     ap.add_argument("--clip", type=float, default=None)
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--stop-rank", type=int, default=-1)
+    ap.add_argument("--stop-step", type=int, default=-1)
+    ap.add_argument("--faults", default=None, help="folder for pid, stopped and error files")
     a = ap.parse_args()
     strategy: Any = a.use
     if strategy == "cudagraph_ddp":
         from cg_lightning.fabric import CUDAGraphDDPStrategy
 
-        strategy = CUDAGraphDDPStrategy(graphs={"warmup_steps": 1})
-    out = train(strategy, model=a.net, precision=a.amp, accumulate=a.accumulate, clip=a.clip, devices=a.processes)
+        strategy = CUDAGraphDDPStrategy(graphs={"warmup_steps": 1}, ddp={"timeout_s": a.timeout_s})
+
+    def stop(step: int, rank: int) -> None:
+        if a.faults is None:
+            return
+        with open(os.path.join(a.faults, f"pid{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        if step == a.stop_step and rank == a.stop_rank:
+            with open(os.path.join(a.faults, "stopped"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    try:
+        out = train(strategy, model=a.net, precision=a.amp, accumulate=a.accumulate, clip=a.clip,
+                    devices=a.processes, steps=a.steps, stop=stop)
+    except Exception as exc:
+        if a.faults is not None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            with open(os.path.join(a.faults, f"error{rank}.txt"), "w") as f:
+                f.write(f"{time.time()!r}\n{type(exc).__name__}: {exc}")
+        raise
     if torch.distributed.get_rank() == 0:
         torch.save(out, a.out)

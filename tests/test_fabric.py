@@ -135,6 +135,44 @@ def test_the_example_script_trains_and_reports_its_graphs(tmp_path):
     assert set(torch.load(ckpt, weights_only=False)) == {"model", "optimizer", "step"}
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
+    """Two processes under torchrun, ``ddp.timeout_s=10``; rank 1 stops itself (SIGSTOP) before step 3: rank 0's
+    backward raises ``PeerLostError`` naming rank 1 and its last step within the timeout, instead of hanging."""
+    import signal
+    import time
+
+    timeout_s = 10
+    cmd = [*LAUNCHERS["torchrun"](), "--use", "cudagraph_ddp", "--out", str(tmp_path / "out.pt"), "--steps", "40",
+           "--timeout-s", str(timeout_s), "--stop-rank", "1", "--stop-step", "3", "--faults", str(tmp_path)]
+    with open(tmp_path / "torchrun.log", "w") as log:
+        launcher = subprocess.Popen(cmd, env=subprocess_env(PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        error = tmp_path / "error0.txt"
+        deadline = time.monotonic() + 150
+        while not error.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert error.exists(), (tmp_path / "torchrun.log").read_text()[-3000:]
+        time.sleep(0.5)
+        when, message = error.read_text().split("\n", 1)
+        assert message.startswith(f"PeerLostError: rank 0: rank 1 has been silent for {timeout_s} s"), message
+        assert "rank 1 last reported" in message and "its process on this host is stopped" in message, message
+        assert float(when) - float((tmp_path / "stopped").read_text()) < timeout_s + 10
+    finally:
+        for r in (0, 1):
+            try:
+                os.kill(int((tmp_path / f"pid{r}").read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=10)
+
+
 @pytest.fixture
 def deterministic():
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -18,7 +18,8 @@ changes the strategy string. Method by method, what differs from Fabric's ``DDPS
   ``main_grad`` to match, as eager PyTorch accumulates.
 * ``get_module_state_dict`` / ``load_module_state_dict``: the user's module, so checkpoints hold the keys
   ``"ddp"`` writes.
-* collectives of the backward and the optimizer step bounded by ``ddp.timeout_s`` and named
+* collectives of the backward, the optimizer step, ``barrier``, ``broadcast`` and ``all_reduce`` bounded by
+  ``ddp.timeout_s`` from the first set-up model on, with several processes, and named
   (:class:`~cg_lightning.ddp.PeerLostError`).
 
 Refused with a message, at construction: ``graphs.whole_step`` and ``graphs.capture_optimizer`` (a Fabric loop is
@@ -203,6 +204,25 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         for engine in engines:
             engine.after_optimizer_step()
         return out
+
+    # ----------------------------------------------------------------- collectives, bounded and named
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Fabric's ``barrier``; with several processes, bounded by ``ddp.timeout_s`` (``PeerLostError``)."""
+        with self._bounded("barrier") if self._faults_started else contextlib.nullcontext():
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Fabric's ``broadcast``; with several processes, bounded by ``ddp.timeout_s`` (``PeerLostError``)."""
+        with self._bounded("broadcast") if self._faults_started else contextlib.nullcontext():
+            return super().broadcast(obj, src)
+
+    @override
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Tensor:
+        """Fabric's ``all_reduce``; with several processes, bounded by ``ddp.timeout_s`` (``PeerLostError``)."""
+        with self._bounded("all_reduce") if self._faults_started else contextlib.nullcontext():
+            return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
 
     # ----------------------------------------------------------------- checkpoints
     @override
