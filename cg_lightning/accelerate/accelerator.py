@@ -21,7 +21,7 @@ point for a data-parallel engine, so, like other libraries that bring their own 
   engine's buckets (unless under ``no_sync``) and points ``param.grad`` at ``main_grad``, so
   ``clip_grad_norm_`` and the optimizer see the reduced gradients; prints the driver's ``capture_summary``.
 * ``unwrap_model``: also removes the engine.
-* ``clip_grad_norm_`` and ``save_state``, under ``ddp.distributed_optimizer`` only: the norm over every rank's shard;
+* ``clip_grad_norm_`` and ``save_state``, under ``ddp.distributed_optimizer`` only (:mod:`.sharded`): the norm over every rank's shard;
   ``save_state`` refused (each rank saves its own ``optimizer.state_dict()``). With ``ddp.overlap_param_gather`` the
   parameters' all-gather after ``optimizer.step()`` runs on into the next forward of the prepared model, whose
   modules wait for it, as do ``state_dict()``, ``load_state_dict()``, the next step and the end of training;
@@ -45,16 +45,16 @@ from typing_extensions import override
 from ..ddp import DDPOptions
 from ..graphs import GraphOptions
 from ..lifecycle import apply_graphs
-from ..optim.sharded_optimizer import clip_grad_norm_
 from ..options import as_options
 from ..lifecycle import GraphedDataParallel
 from .faults import AccelerateFaultsMixin
+from .sharded import ShardedOptimizerMixin
 from .optimizer import GradBufferOptimizer
 
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
-class CUDAGraphAccelerator(AccelerateFaultsMixin, Accelerator):
+class CUDAGraphAccelerator(ShardedOptimizerMixin, AccelerateFaultsMixin, Accelerator):
     """``accelerate.Accelerator`` with per-layer CUDA graphs and the exact ``main_grad`` DDP engine.
 
     Args:
@@ -188,56 +188,6 @@ class CUDAGraphAccelerator(AccelerateFaultsMixin, Accelerator):
     def _engines_of(self, optimizer) -> List[GraphedDataParallel]:
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return [e for e in self._graph_engines if any(id(p) in ids for p in e.params)]
-
-    @override
-    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        """Accelerate's ``clip_grad_norm_``; under ``ddp.distributed_optimizer`` the norm is taken over every rank's
-        shard of the gradients (:func:`cg_lightning.optim.sharded_optimizer.clip_grad_norm_`), for parameters that
-        make up whole prepared optimizers of one engine.
-
-        Raises:
-            ValueError: the parameters cover part of a sharded optimizer's parameters, or several engines.
-        """
-        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        sharded = self._sharded_optimizers(parameters)
-        if not sharded:
-            return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        return clip_grad_norm_(sharded, max_norm, norm_type)
-
-    def _sharded_optimizers(self, parameters) -> list:
-        ids = {id(p) for p in parameters}
-        engines = [e for e in self._graph_engines if e.shards is not None and any(id(p) in ids for p in e.params)]
-        if not engines:
-            return []
-        sharded = [s for s in (engines[0].driver.sharded_optimizer(o.optimizer) for o in self._optimizers) if s]
-        wanted = {id(p) for e in engines for p in e.params if id(p) in ids}
-        if len(engines) > 1 or wanted != {id(p) for s in sharded for p in s.params}:
-            raise ValueError("cg_lightning: under ddp.distributed_optimizer, clip_grad_norm_ takes the parameters of "
-                             "whole prepared optimizers of one model (model.parameters()): the norm is summed over "
-                             "the ranks' shards of those optimizers' gradients.")
-        return sharded
-
-    def wait_for_params(self) -> None:
-        """Wait for the parameters' all-gathers still running after a sharded step (``ddp.distributed_optimizer``
-        with ``ddp.overlap_param_gather``): call it before reading parameter values between ``optimizer.step()``
-        and the next forward other than through ``state_dict()`` (an EMA update). Nothing to do otherwise."""
-        for engine in self._graph_engines:
-            engine.wait_for_params()
-
-    @override
-    def save_state(self, *args: Any, **kwargs: Any):
-        """Accelerate's ``save_state``; refused under ``ddp.distributed_optimizer``.
-
-        Raises:
-            ValueError: with ``ddp.distributed_optimizer`` (Accelerate saves rank 0's optimizer state only, where each
-                rank holds its own shard: save ``optimizer.state_dict()`` on every rank instead).
-        """
-        if any(e.shards is not None for e in self._graph_engines):
-            raise ValueError("cg_lightning: accelerator.save_state does not save ddp.distributed_optimizer's state "
-                             "(Accelerate writes rank 0's optimizer state only; each rank holds its own shard). Save "
-                             "optimizer.state_dict() on every rank (torch.save to a file per rank) and load the list "
-                             "of every rank's shards with optimizer.load_state_dict([...]) at any world size.")
-        return super().save_state(*args, **kwargs)
 
     # ----------------------------------------------------------------- step
     @override
