@@ -28,7 +28,8 @@ import torch.utils.checkpoint as tcp
 
 import cg_lightning
 from cg_lightning import GraphCaptureError, torch_compat
-from cg_lightning.graphs import capture_guard, checkpointing
+from cg_lightning.graphs.capture import capture_guard
+from cg_lightning.graphs.recompute import checkpointing
 from cg_lightning.phase import grad_ready_deferred, is_graph_capturing, is_graph_warmup
 from tests import engine_models as em
 from tests.engine_models import BACKENDS, assert_grads_equal, batches, eager_reference, graphed_engine, graphed_run

@@ -1,4 +1,4 @@
-"""``graphs.capture_reads``: host reads of constants kept in the eager run and answered in the capture run.
+"""``graphs.step.capture_reads``: host reads of constants kept in the eager run and answered in the capture run.
 
 On a CPU nothing captures, so the capture run here is the answer mode alone: it must hand back the eager run's
 values for reads of tensors made from constants only, refuse reads of anything else (the batch, weights, random
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cg_lightning.graphs.capture_reads import (ReadsDiverged, answer_reads, capture_seen_by_code,
+from cg_lightning.graphs.step.capture_reads import (ReadsDiverged, answer_reads, capture_seen_by_code,
                                                eager_path_under_capture, record_reads)
 from cg_lightning.graphs.errors import HostSyncError
 

@@ -210,7 +210,7 @@ def test_confirming_walk_survives_reused_node_wrapper_ids(depth):
     (on an H200 such a walk confirmed 0 of 48 candidates). Here a chain of ``depth`` nodes with side branches
     leads to the replay node; the walk must find the parameter behind it (an id-marking walk finds it at
     depth 1 and 2 and loses it from depth 5 on)."""
-    from cg_lightning.graphs import direct_ready
+    from cg_lightning.graphs.replay import direct_ready
 
     runner = object()
     param = torch.nn.Parameter(torch.zeros(1))

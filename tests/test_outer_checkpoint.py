@@ -1,4 +1,4 @@
-"""Layers checkpointed around their whole call (``graphs/outer_checkpoint.py``), and the warning when nothing is
+"""Layers checkpointed around their whole call (``graphs/recompute/outer_checkpoint.py``), and the warning when nothing is
 graphed because every call of the selected layers ran without autograd.
 
 ``AroundCallLayer`` follows the convention of transformers' ``GradientCheckpointingLayer`` in the versions that
@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule, seed_everything
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from cg_lightning.graphs import outer_checkpoint
+from cg_lightning.graphs.recompute import outer_checkpoint
 from tests.helpers import cg_strategy, make_trainer
 
 

@@ -228,7 +228,7 @@ def test_in_place_gradient_hook_added_after_capture_is_an_error_naming_the_layer
 def test_blocks_chained_into_a_segment_share_one_autograd_node():
     """After capture, the four chained blocks leave one ``SegmentFunctionBackward`` node in the loss's autograd
     graph (no per-block replay node); each block's call still counts as a forward replay."""
-    from cg_lightning.graphs.discovery import autograd_edges
+    from cg_lightning.graphs.recompute.discovery import autograd_edges
 
     names = []
 

@@ -1,9 +1,9 @@
 """``graphs.on_capture_error="split"`` on hand-written layers: a layer that cannot be captured whole is replaced by
 its parts with trainable parameters; its own forward runs eagerly, the parts that capture are graphed, the others
-run eagerly (``graphs/splitting.py``, ``graphs/failures.py``).
+run eagerly (``graphs/split/splitting.py``, ``graphs/split/failures.py``).
 
 The layer here is a small mixture-of-experts decoder layer: two norms that read their input twice (so its
-gradient comes in pieces, ``graphs/input_pieces.py``), a mixing projection, and an MoE block whose experts find
+gradient comes in pieces, ``graphs/replay/input_pieces.py``), a mixing projection, and an MoE block whose experts find
 their tokens with ``nonzero`` (a host sync). Engine-level runs are compared with plain PyTorch, the Lightning run
 with ``"ddp"``, same seed and data: gradients and weights equal bit for bit.
 """

@@ -1,4 +1,4 @@
-"""``graphs.step_code``: which training steps may run their Python once, at capture, and be replayed.
+"""``graphs.step.step_code``: which training steps may run their Python once, at capture, and be replayed.
 
 Each refused step names the function and what it reads; each accepted one lists the watched attributes, whose
 changes :meth:`StepCodeReport.changed` reports.
@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
-from cg_lightning.graphs.step_code import check_step_code
+from cg_lightning.graphs.step.step_code import check_step_code
 from cg_lightning.trainer.whole_step import FRAMEWORK
 
 GLOBAL_TENSOR = torch.ones(2)

@@ -100,7 +100,7 @@ def test_t5_all_blocks_train_like_ddp():
     """Encoder and decoder blocks graphed, 8 steps: captured and replayed, weights equal to "ddp" bit for bit.
     The encoder output feeds the cross-attention key and value projections of both decoder blocks: each decoder
     block's capture hands the gradient pieces of that input back one by one, so that autograd adds the four in
-    eager order (:mod:`cg_lightning.graphs.input_pieces`)."""
+    eager order (:mod:`cg_lightning.graphs.replay.input_pieces`)."""
     steps = 8
     ref, _, _ = _fit_t5("ddp", steps, validation=False)
     model, trainer, _ = _fit_t5(cg_strategy("eager", whole_step=False, layers=[ENCODER_BLOCKS, DECODER_BLOCKS]), steps,

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 import cg_lightning
 from cg_lightning.graphs.backends import EagerBackend
-from cg_lightning.graphs.whole_step import StepGraphs
+from cg_lightning.graphs.step.whole_step import StepGraphs
 from tests.lightning_models import BATCH, D_IN, ParityModel, SkipStepModel, WarmupStepModel, dataset
 from tests.lightning_runs import assert_same, train
 from tests.test_whole_step import STEPS, _check, _cg_warnings, whole_step
@@ -311,3 +311,19 @@ def test_a_step_that_returns_none_depending_on_the_data_is_refused_and_trains_li
     strategy, _, warned = _check(_SkipsOnData, expect_replays=False, graphs={"whole_step": whole_step})
     refusal = strategy.last_step_graph_stats.refusal
     assert "HostSyncError" in refusal and "batch[1].sum() > 0" in refusal, refusal
+
+
+def test_a_failed_capture_names_the_user_frame_not_the_package():
+    """``raised_at`` skips torch's frames and every frame of this package (``trainer/``, ``graphs/``, ``lifecycle/``
+    alike), so a capture that fails names the line of the user's code that made the failing call."""
+    from cg_lightning.trainer.step_checks import raised_at
+
+    def user_code():
+        from cg_lightning import protocol
+
+        return protocol.main_grad(torch.nn.Parameter(torch.zeros(1)))  # no main_grad: raised in cg_lightning/
+
+    with pytest.raises(Exception) as info:
+        user_code()
+    where = raised_at(info.value)
+    assert where is not None and "test_whole_step_more.py" in where and "user_code" in where, where

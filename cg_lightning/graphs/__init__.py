@@ -1,14 +1,14 @@
-"""Per-layer graph engine: capture state, backends, runners, replay node, discovery, recomputation.
-
-Imports only torch.
+"""Per-layer graph engine (torch only): the manager, backends and options here; capture, replay, recomputation and
+discovery, splitting, segments and the whole step in subpackages of those names (``capture/``, ``replay/``,
+``recompute/``, ``split/``, ``segments/``, ``step/``); every error in :mod:`.errors`.
 """
 
-from .checkpointing import CheckpointWithoutOutput, checkpoint
+from .recompute.checkpointing import CheckpointWithoutOutput, checkpoint
 from .errors import BufferReuseError, GraphCaptureError, GraphSignatureError, HostSyncError, SegmentError
 from .graph_sets import GraphStats
 from .manager import GraphManager
 from .options import GraphOptions
-from .runner import LayerGraphRunner
+from .replay.runner import LayerGraphRunner
 from .state import is_graph_capturing, is_graph_warmup
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, List, Optional
 
 import torch
 
-from .capture_guard import guarded_capture
+from .capture.capture_guard import guarded_capture
 
 Body = Callable[[], List[Optional[torch.Tensor]]]
 

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import torch
 
-from . import guards
+from .capture import guards
 from .autocast import autocast_state
 
 REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getters: checked at every replay

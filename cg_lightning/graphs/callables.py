@@ -14,7 +14,7 @@ Differences from the torch function (torch 2.11), all deliberate:
 * RNG states and module buffers are restored after warmup and capture.
 * A call whose tensors differ from the samples only in ``requires_grad`` or dtype is served where the replay
   gives eager's result, and refused with :class:`GraphSignatureError` naming the argument where torch's function
-  would silently give another (:mod:`.relaxed_calls`): an input sampled without ``requires_grad`` may come with it
+  would silently give another (:mod:`.replay.relaxed_calls`): an input sampled without ``requires_grad`` may come with it
   (a backward pass that needs its gradient, which the graph does not compute, raises); under autocast a
   float32-sampled input may come in autocast's dtype where the callable only casts it. Any other difference raises.
 """
@@ -28,10 +28,10 @@ import torch.nn as nn
 
 from ..torch_compat import is_compiled
 from .backends import make_backend
-from .capture_order import capture_in_order
-from .relaxed_calls import RelaxedCalls
-from .replay_node import ReplayFunction
-from .runner import LayerGraphRunner
+from .capture.capture_order import capture_in_order
+from .replay.relaxed_calls import RelaxedCalls
+from .replay.replay_node import ReplayFunction
+from .replay.runner import LayerGraphRunner
 from .signature import CallSignature
 
 

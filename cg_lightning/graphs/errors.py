@@ -14,7 +14,7 @@ class GraphSignatureError(RuntimeError):
 
 
 class HostSyncError(RuntimeError):
-    """A host synchronization inside a graphed layer or a captured step (:mod:`.host_sync`)."""
+    """A host synchronization inside a graphed layer or a captured step (:mod:`.capture.host_sync`)."""
 
 
 class BufferReuseError(RuntimeError):

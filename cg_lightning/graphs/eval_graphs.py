@@ -31,9 +31,9 @@ from .. import torch_compat
 
 from .autocast import autocast_as, autocast_state
 from .buffer_reuse import copy_into_static
-from .capture_order import preserved_training_state
+from .capture.capture_order import preserved_training_state
 from ..torch_compat import is_compiled
-from .host_sync import hook_dicts, hooks_inside, refuse_host_sync
+from .capture.host_sync import hook_dicts, hooks_inside, refuse_host_sync
 from .errors import OutputStructureError
 from .outputs import OutputStructure, split_outputs
 from .signature import CallSignature

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .recording import StepRecord
+from .capture.recording import StepRecord
 from .signature import CallSignature
 
 

@@ -4,21 +4,21 @@ Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of ever
 
 * During the first ``warmup_steps`` steps this manager sees (counted from the first ``begin_step``, so a
   resumed run warms up again) layers run eagerly and each training call is recorded (layer, call index
-  within the step, signature, arguments: :mod:`.recording`); each step's record replaces the previous one.
+  within the step, signature, arguments: :mod:`.capture.recording`); each step's record replaces the previous one.
 * At the first graphed call of the first step after warmup, every recorded call gets a
   :class:`LayerGraphRunner`: all are warmed up, their forwards captured in call order, then their
   backwards in reverse order, into one memory pool, so replays in the same order are safe. ``main_grad``,
   module buffers and RNG states are restored afterwards: capture changes no training state. The runners
   form a *graph set*, keyed by the signature of the step's first graphed call (:mod:`.graph_sets`); building
-  it is :class:`~.set_capture.SetCapture`'s.
+  it is :class:`~.capture.set_capture.SetCapture`'s.
 * Each later step picks its set at its first graphed call; the i-th call of a layer replays runner
   (layer, i) of that set, or, if its arguments differ from the runner's, follows ``shape_policy``
-  (:class:`~.set_replay.SetReplay`, the replay half; segments: :mod:`.segments.dispatch`).
+  (:class:`~.replay.set_replay.SetReplay`, the replay half; segments: :mod:`.segments.dispatch`).
   Under ``"recapture"`` a step whose first call matches no set runs eagerly and is recorded; the next
   step with that signature captures it as another set (same pool), up to ``max_graph_sets``.
 * A layer whose capture raises :class:`GraphCaptureError` follows ``on_capture_error``: ``"eager"``
   drops it from the set (it runs eagerly from then on) and captures the others without it; ``"split"``
-  replaces it by its parts (:mod:`.splitting`), drops every graph set and recorded step (they hold no calls of
+  replaces it by its parts (:mod:`.split.splitting`), drops every graph set and recorded step (they hold no calls of
   the parts), records the rest of the step again and captures at the next one.
 
 Calls in eval mode or under ``no_grad`` run eagerly, or, with ``capture_eval``, eval-mode calls without
@@ -37,20 +37,22 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from . import guards, observer_hooks, outer_checkpoint
+from . import observer_hooks
+from .capture import guards
+from .recompute import outer_checkpoint
 from .backends import make_backend
 from .compiled import WarmupClock, compiled_forward
 from .eval_graphs import EvalGraphs
-from .failures import CaptureFailures
+from .split.failures import CaptureFailures
 from .graph_sets import GraphSetCache, GraphStats, describe
 from .options import GraphOptions
-from .recording import StepRecord, mark_inputs_used_elsewhere, record_call
-from .runner import LayerGraphRunner
+from .capture.recording import StepRecord, mark_inputs_used_elsewhere, record_call
+from .replay.runner import LayerGraphRunner
 from .segments import segment_ends
 from .selection import GraphedLayer, select_layers
-from .splitting import LayerSelection
-from .set_capture import SetCapture
-from .set_replay import SetReplay
+from .split.splitting import LayerSelection
+from .capture.set_capture import SetCapture
+from .replay.set_replay import SetReplay
 from .signature import CallSignature
 
 
@@ -92,7 +94,7 @@ class GraphManager:
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self.backend = make_backend(options.backend, device) if options.enabled else None
         self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
-        #: the selected layers and, after splits (on_capture_error="split"), their parts (:mod:`.splitting`)
+        #: the selected layers and, after splits (on_capture_error="split"), their parts (:mod:`.split.splitting`)
         wrap = None
         if options.compile and options.enabled:  # graphs.compile (:mod:`.compiled`)
             def wrap(forward):
@@ -102,12 +104,12 @@ class GraphManager:
         #: the layers dispatched, the selection's own list (a split inserts the parts; the split one runs eagerly)
         self.layers: List[GraphedLayer] = self.selection.layers
         self.cache = GraphSetCache(options.max_graph_sets)
-        #: graphs.on_capture_error: layers run eagerly or split into their parts (:mod:`.failures`)
+        #: graphs.on_capture_error: layers run eagerly or split into their parts (:mod:`.split.failures`)
         self._failures = CaptureFailures(options, self.selection, self.cache, self.stats)
-        #: the capture half: runners, their shared pool (:mod:`.set_capture`)
+        #: the capture half: runners, their shared pool (:mod:`.capture.set_capture`)
         self._sets = SetCapture(model, options, self.backend, device, self.cache, self.stats,
                                 accumulate_into_main_grad, on_failed=self._failures.failed)
-        #: the replay half: the step's graph set, shape policy, direct-ready confirmation (:mod:`.set_replay`)
+        #: the replay half: the step's graph set, shape policy, direct-ready confirmation (:mod:`.replay.set_replay`)
         self._replay = SetReplay(options, self.stats, device)
         self.eval_graphs: Optional[EvalGraphs] = None  # built at the first eval call with capture_eval on
         self._warmup_record: Optional[StepRecord] = None  # the last warmup step's calls
@@ -143,7 +145,7 @@ class GraphManager:
 
     def _refuse_early(self, layer: GraphedLayer, at_call: bool) -> None:
         """What capture would refuse and can be seen before it, refused now under ``on_capture_error`` (a layer
-        is split under ``"split"``: :meth:`~.failures.CaptureFailures.refuse_early`); notes the transformers
+        is split under ``"split"``: :meth:`~.split.failures.CaptureFailures.refuse_early`); notes the transformers
         observer hooks inside the layer."""
         if layer.failure is not None or self.backend is None:
             return
@@ -221,7 +223,7 @@ class GraphManager:
 
     def end_step(self) -> None:
         """End of a training micro-batch's forward calls. Warns once when warmup is over and still nothing is
-        graphed because no call of this forward could be (:func:`.guards.nothing_graphed`)."""
+        graphed because no call of this forward could be (:func:`.capture.guards.nothing_graphed`)."""
         self._in_training_step = False
         if (self._mode is StepMode.UNSTARTED and not self._nothing_warned and self.capture_due
                 and not self.cache.sets and not self.cache.pending):

@@ -53,7 +53,7 @@ class GraphedLayer:
     #: compiled with ``layer.forward = torch.compile(layer.forward)``), put back by ``LayerSelection.remove``
     own_forward: Optional[Callable] = None
     #: its forward is a ``torch.compile`` wrapper (the user's or graphs.compile's): captured without the
-    #: host-sync dispatch modes, under which dynamo would run the uncompiled code (:mod:`.host_sync`)
+    #: host-sync dispatch modes, under which dynamo would run the uncompiled code (:mod:`.capture.host_sync`)
     compiled: bool = False
 
 
@@ -130,7 +130,7 @@ def no_default_layers_message(model: nn.Module) -> str:
 
 def trainable_children(module: nn.Module) -> List[Tuple[str, nn.Module]]:
     """The direct children of ``module`` that hold a trainable parameter, in module order: what a layer is
-    split into (``graphs.on_capture_error="split"``, :mod:`.splitting`).
+    split into (``graphs.on_capture_error="split"``, :mod:`.split.splitting`).
 
     Returns:
         ``(child name, child)`` pairs; empty when there are none.

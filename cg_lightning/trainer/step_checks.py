@@ -34,7 +34,8 @@ def overridden(obj: Any, name: str, base_names: Tuple[str, ...]) -> bool:
 def raised_at(exc: BaseException) -> Optional[str]:
     """The innermost frame of ``exc``'s traceback outside torch and this package: the code that made the call that
     failed (``file:line in function: source``), or ``None``."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cg_lightning/
+    skip = (os.path.dirname(torch.__file__), package)
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
         if not os.path.abspath(frame.filename).startswith(skip):

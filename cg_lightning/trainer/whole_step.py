@@ -1,6 +1,6 @@
 """The whole training step replayed from one graph under the Lightning strategy (``graphs.whole_step``).
 
-The step function captured (:mod:`cg_lightning.graphs.whole_step`) is Lightning's own: the strategy's
+The step function captured (:mod:`cg_lightning.graphs.step.whole_step`) is Lightning's own: the strategy's
 ``training_step`` (the precision plugin's autocast, the engine's forward, the module's ``training_step``), then
 ``main_grad`` zeroed, the precision plugin's ``backward`` and the engine's gradient sync. Lightning's closure runs
 around it as always; where it would call the backward, the strategy only runs the ``on_before_backward`` and
@@ -12,7 +12,7 @@ outputs) and issued again after every replay, so the progress bar and the logger
 
 By default (``graphs.whole_step`` unset) the step is captured only where that is provably safe: the
 ``training_step``'s Python reads nothing that changes between steps except what is compared before each replay
-(:mod:`cg_lightning.graphs.step_code`: no ``batch_idx``, no ``global_step``, no mutable attributes; watched numbers;
+(:mod:`cg_lightning.graphs.step.step_code`: no ``batch_idx``, no ``global_step``, no mutable attributes; watched numbers;
 submodules' modes and ``requires_grad``), and its host reads are of constants only (:mod:`cg_lightning.graphs.
 capture_reads`: anything else fails the capture). A refusal is one line on rank 0 and the layers get per-layer
 graphs. ``graphs.whole_step: true`` skips the code check (the step's Python is then frozen as it is) and warns on a
@@ -38,11 +38,11 @@ import torch
 
 from .. import protocol, torch_compat
 from ..graphs import GraphSignatureError
-from ..graphs.capture_reads import ReadsDiverged
+from ..graphs.step.capture_reads import ReadsDiverged
 from ..graphs.errors import HostSyncError
 from ..graphs.selection import no_default_layers_message
-from ..graphs.step_code import StepCodeReport, check_step_code
-from ..graphs.whole_step import StepGraph, StepGraphs, StepGuards
+from ..graphs.step.step_code import StepCodeReport, check_step_code
+from ..graphs.step.whole_step import StepGraph, StepGraphs, StepGuards
 from .step_checks import FRAMEWORK, LogRecorder, StepCaptureRefused, raised_at, static_refusal
 
 
@@ -58,8 +58,8 @@ class LightningWholeStep:
         announce: prints one line on rank 0.
 
     Attributes:
-        graphs: the :class:`~cg_lightning.graphs.whole_step.StepGraphs`, ``None`` once refused.
-        stats: the run's :class:`~cg_lightning.graphs.whole_step.StepGraphStats`; ``stats.refusal``: why the step is not
+        graphs: the :class:`~cg_lightning.graphs.step.whole_step.StepGraphs`, ``None`` once refused.
+        stats: the run's :class:`~cg_lightning.graphs.step.whole_step.StepGraphStats`; ``stats.refusal``: why the step is not
             (or no longer) captured.
     """
 
@@ -73,7 +73,7 @@ class LightningWholeStep:
         self.graphs: Optional[StepGraphs] = StepGraphs(driver.step_backend, options.max_graph_sets)
         self.stats = self.graphs.stats
         #: graphs.whole_step unset: the step is captured only where its Python is proven safe to freeze
-        #: (:mod:`cg_lightning.graphs.step_code`), and a refusal is a line on rank 0, not a warning
+        #: (:mod:`cg_lightning.graphs.step.step_code`), and a refusal is a line on rank 0, not a warning
         self.auto = options.whole_step is None
         self.code: Optional[StepCodeReport] = None
         self._watched_values: tuple = ()

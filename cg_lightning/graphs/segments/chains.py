@@ -7,7 +7,7 @@ from typing import List, Sequence, Set, Tuple
 import torch
 
 from ...torch_compat import global_module_hooks, module_hooks, tree_flatten
-from ..discovery import autograd_edges
+from ..recompute.discovery import autograd_edges
 from ..signature import _same_value
 
 #: the types of the non-tensor arguments a segment's members may share (a cache or any other mutable object: no)

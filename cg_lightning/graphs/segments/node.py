@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from ...torch_compat import VERSION as _VERSION, grad_hooks
 from ..buffer_reuse import check_shared_inputs
-from ..replay_node import check_leaves_accumulate, check_second_backward
+from ..replay.replay_node import check_leaves_accumulate, check_second_backward
 from .chains import rng_moved, rng_state
 from .context import has_context
 from ..errors import SegmentError

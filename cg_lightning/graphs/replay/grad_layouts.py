@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import torch_compat
+from ... import torch_compat
 
 
 def watch_grad_layouts(out) -> List[Optional[Tuple[int, ...]]]:

@@ -9,16 +9,16 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .. import protocol
-from .autocast import uncached_autocast
-from .buffer_reuse import (
+from ... import protocol
+from ..autocast import uncached_autocast
+from ..buffer_reuse import (
     release_param_grad_outputs,
     share_grad_outputs_with_next_grad_inputs,
     share_inputs_with_previous_outputs,
 )
-from ..main_grad_adds import MainGradAdds
-from .errors import GraphCaptureError
-from .segments import SharedContext, has_context, members_capturing, segment_capture, share_context_inputs
+from ...main_grad_adds import MainGradAdds
+from ..errors import GraphCaptureError
+from ..segments import SharedContext, has_context, members_capturing, segment_capture, share_context_inputs
 
 
 def capture_in_order(
@@ -84,7 +84,7 @@ def _sum_shared_params_through_autograd(runners: Sequence) -> None:
     """Parameters that two or more graphed calls of the step reach on the outer autograd path (a block applied
     twice, a weight shared by two graphed layers) get their shares summed by autograd, as in eager training,
     instead of each backward graph adding its own share into ``main_grad``
-    (:meth:`~.runner.LayerGraphRunner.sum_through_autograd`)."""
+    (:meth:`~..replay.runner.LayerGraphRunner.sum_through_autograd`)."""
     count = collections.Counter(id(p) for r in runners for p in r.visible_main_grad_params())
     shared = {pid for pid, n in count.items() if n > 1}
     if shared:

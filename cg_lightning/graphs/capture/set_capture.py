@@ -1,6 +1,6 @@
 """Capturing the recorded calls of one step as a graph set, dropping layers whose capture fails.
 
-:class:`SetCapture` is the graph manager's capture half (:class:`~.set_replay.SetReplay` its replay half): it
+:class:`SetCapture` is the graph manager's capture half (:class:`~..replay.set_replay.SetReplay` its replay half): it
 owns the memory pool the graph sets share, builds one :class:`LayerGraphRunner` per recorded call, captures them
 (:func:`capture_calls`) and adds the resulting :class:`~.graph_sets.GraphSet` to the cache. All calls are captured
 together by :func:`~.capture_order.capture_in_order` (forwards in order, backwards in reverse, one pool). When one
@@ -19,15 +19,15 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.nn as nn
 
-from .. import protocol
-from . import direct_ready
+from ... import protocol
+from ..replay import direct_ready
 from .capture_order import capture_in_order
-from .graph_sets import GraphSet, GraphSetCache, GraphStats
-from .errors import GraphCaptureError
-from .options import GraphOptions
+from ..graph_sets import GraphSet, GraphSetCache, GraphStats
+from ..errors import GraphCaptureError
+from ..options import GraphOptions
 from .recording import CallRecord, StepRecord
-from .runner import LayerGraphRunner
-from .segments import draws, find_segments
+from ..replay.runner import LayerGraphRunner
+from ..segments import draws, find_segments
 
 
 def capture_calls(
@@ -65,7 +65,7 @@ def capture_calls(
 
 def _segments_without_parts(calls: List[CallRecord]) -> List[List[int]]:
     """:func:`~.segments.find_segments`, with every call of a part of a split layer, and every call whose input
-    is used outside it, on its own: its input gradients go back piece by piece (:mod:`.input_pieces`), which a segment's shared buffers do not do."""
+    is used outside it, on its own: its input gradients go back piece by piece (:mod:`..replay.input_pieces`), which a segment's shared buffers do not do."""
     out: List[List[int]] = []
     for run in find_segments(calls):
         if len(run) > 1 and any(calls[i].layer.parent is not None or calls[i].input_used_elsewhere for i in run):
@@ -78,7 +78,7 @@ def _segments_without_parts(calls: List[CallRecord]) -> List[List[int]]:
 class SetCapture:
     """Builds the graph sets of one :class:`~.manager.GraphManager`: its runners, their shared pool and the
     capture counters of ``stats``. ``on_failed(layer, exc)``: what becomes of a layer whose capture failed under
-    ``on_capture_error`` ``"eager"`` or ``"split"`` (:class:`~.failures.CaptureFailures`); returns whether the
+    ``on_capture_error`` ``"eager"`` or ``"split"`` (:class:`~..split.failures.CaptureFailures`); returns whether the
     layer was split."""
 
     def __init__(self, model: nn.Module, options: GraphOptions, backend, device: torch.device,

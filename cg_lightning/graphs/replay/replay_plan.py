@@ -30,7 +30,7 @@ from typing import AbstractSet, Callable, Sequence, Set, Tuple
 
 import torch
 
-from .. import protocol
+from ... import protocol
 from .routing import Routing
 
 

@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import torch_compat
-from .discovery import leaf_tensors
-from .errors import GraphCaptureError, HostSyncError
+from ... import torch_compat
+from ..recompute.discovery import leaf_tensors
+from ..errors import GraphCaptureError, HostSyncError
 from .host_sync import hooks_inside
 
 

@@ -23,7 +23,7 @@ from typing import AbstractSet, Sequence, Tuple
 
 import torch
 
-from .. import protocol
+from ... import protocol
 
 Params = Tuple[torch.nn.Parameter, ...]
 

@@ -15,13 +15,13 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .. import torch_compat
-from .autocast import autocast_state
-from .discovery import autograd_edges
-from .grad_layouts import watch_grad_layouts
-from .segments import rng_state
-from .segments.context import version as context_version
-from .signature import CallSignature
+from ... import torch_compat
+from ..autocast import autocast_state
+from ..recompute.discovery import autograd_edges
+from ..replay.grad_layouts import watch_grad_layouts
+from ..segments import rng_state
+from ..segments.context import version as context_version
+from ..signature import CallSignature
 
 
 @dataclass
@@ -62,7 +62,7 @@ class CallRecord:
     output_hooks: tuple = ()
     #: per flattened output, the strides of the gradient the recorded step's backward handed it (``None``
     #: where none came): the layout the backward graph's gradient-output buffers take, so a replay computes on
-    #: the layout eager backward computes on (:func:`.grad_layouts.static_grad_output_buffer`)
+    #: the layout eager backward computes on (:func:`..replay.grad_layouts.static_grad_output_buffer`)
     grad_output_layouts: Optional[list] = None
     #: the autograd nodes of the inputs that require grad and of the outputs (kept until the step's backward),
     #: and whether that backward reached an input from outside the call as well as from two or more of its own
@@ -124,7 +124,7 @@ def mark_inputs_used_elsewhere(loss: torch.Tensor, calls: List[CallRecord]) -> N
     """Before the backward of a recorded step: set ``input_used_elsewhere`` on each call one of whose inputs
     the backward reaches both from outside the call (a hidden state kept for the loss, an encoder output that
     several decoder blocks read) and from two or more of the call's own nodes. Eager autograd adds those pieces
-    one by one; such a call's capture hands them back one by one too (:mod:`.input_pieces`) instead of summed.
+    one by one; such a call's capture hands them back one by one too (:mod:`..replay.input_pieces`) instead of summed.
     Drops the nodes."""
     root = getattr(loss, "grad_fn", None)
     watched = [c for c in calls if c.input_nodes and c.output_nodes]

@@ -27,12 +27,12 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 from torch.autograd.function import once_differentiable
 
-from .autocast import autocast_state, uncached_autocast
-from .capture_order import preserved_training_state
-from .discovery import reachable_leaves
-from .errors import GraphSignatureError
-from .signature import TensorMeta, _same_value
-from ..torch_compat import (
+from ..autocast import autocast_state, uncached_autocast
+from ..capture.capture_order import preserved_training_state
+from ..recompute.discovery import reachable_leaves
+from ..errors import GraphSignatureError
+from ..signature import TensorMeta, _same_value
+from ...torch_compat import (
     TO_COPY,
     TorchDispatchMode,
     keystr,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..torch_compat import will_engine_execute_node
+from ...torch_compat import will_engine_execute_node
 
 
 class ReplayFunction(torch.autograd.Function):
-    """Replays a :class:`~cg_lightning.graphs.runner.LayerGraphRunner`'s forward and backward graphs.
+    """Replays a :class:`~cg_lightning.graphs.replay.runner.LayerGraphRunner`'s forward and backward graphs.
 
     ``apply(runner, *runner.node_inputs(input_tensors))``: the inputs, the inputs of further gradient pieces
-    (:mod:`~cg_lightning.graphs.input_pieces`), the parameters. The parameters are extra inputs so that
+    (:mod:`~cg_lightning.graphs.replay.input_pieces`), the parameters. The parameters are extra inputs so that
     autograd keeps edges to their ``AccumulateGrad`` nodes: the hooks registered there (the DDP engine's)
     fire after every backward replay, as they do in eager execution. Forward returns the detached
     static outputs (views of graph memory, overwritten by the next forward replay).

@@ -17,7 +17,7 @@ signature and may be read once, before capture, and frozen.
 2. the *capture run* runs under :class:`ConstantReads` in ``answer`` mode, with code outside torch and this package
    told that no stream captures (:func:`eager_path_under_capture`): it takes its eager path, and each host read of a
    constant tensor is answered with the kept value, without touching the device. A host read of any other tensor
-   depends on the batch or the weights and is refused (:class:`~.host_sync.HostSyncError`, naming the source line);
+   depends on the batch or the weights and is refused (:class:`~..capture.host_sync.HostSyncError`, naming the source line);
    a read that does not match the kept sequence is refused as well (:class:`ReadsDiverged`).
 
 A constant's value depends on nothing a replay changes, so the frozen answer is the one an eager step would get:
@@ -37,9 +37,9 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..torch_compat import TO_COPY, TorchDispatchMode, tree_flatten
-from .errors import HostSyncError
-from .host_sync import SYNC_OPS, _user_frame
+from ...torch_compat import TO_COPY, TorchDispatchMode, tree_flatten
+from ..errors import HostSyncError
+from ..capture.host_sync import SYNC_OPS, _user_frame
 
 _aten = torch.ops.aten
 #: host reads of a scalar: answered with a Python number

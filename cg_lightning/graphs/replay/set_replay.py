@@ -1,6 +1,6 @@
 """Replaying a training step's calls from its graph set (the graph manager's ``StepMode.REPLAY``).
 
-:class:`SetReplay` is the graph manager's replay half, as :class:`~.set_capture.SetCapture` is its capture
+:class:`SetReplay` is the graph manager's replay half, as :class:`~..capture.set_capture.SetCapture` is its capture
 half. The i-th call of a layer in a step replays runner (layer, i) of the step's graph set through a
 :class:`~.replay.ReplayFunction` node; a call whose runner belongs to a segment goes through
 :mod:`.segments.dispatch`. A call for which no runner was captured, or whose arguments, autocast settings or
@@ -21,11 +21,11 @@ import torch
 import torch.nn as nn
 
 from . import direct_ready
-from .graph_sets import GraphSet, GraphStats
-from .options import GraphOptions
+from ..graph_sets import GraphSet, GraphStats
+from ..options import GraphOptions
 from .replay_node import ReplayFunction
-from .segments import dispatch as segment_calls
-from .errors import GraphSignatureError
+from ..segments import dispatch as segment_calls
+from ..errors import GraphSignatureError
 
 
 def _members_match(segment) -> bool:

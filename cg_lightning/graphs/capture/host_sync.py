@@ -12,7 +12,7 @@ A captured graph replays device work only. Three things in a graphed layer break
   never at replay. Hooks on the graphed layer itself are fine (they run around every replay).
   :func:`hooks_inside` lists them.
 
-Raises are turned into :class:`~cg_lightning.graphs.runner.GraphCaptureError` by the runner.
+Raises are turned into :class:`~cg_lightning.graphs.replay.runner.GraphCaptureError` by the runner.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import List, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import HostSyncError
-from .observer_hooks import is_observer
-from ..torch_compat import (
+from ..errors import HostSyncError
+from ..observer_hooks import is_observer
+from ...torch_compat import (
     TorchDispatchMode,
     global_module_hooks,
     grad_hooks,
@@ -52,7 +52,8 @@ SYNC_OPS = {
     getattr(_aten, name).default: what for name, what in _SYNC_OP_NAMES.items() if hasattr(_aten, name)
 }
 
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+# torch and this package's graphs/ (the frames of capture, replay and the whole step)
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 

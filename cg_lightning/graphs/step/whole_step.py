@@ -43,11 +43,11 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.nn as nn
 
-from .. import torch_compat
-from .capture_order import TrainingStateSnapshot
+from ... import torch_compat
+from ..capture.capture_order import TrainingStateSnapshot
 from .capture_reads import answer_reads, capture_seen_by_code, record_reads
-from .host_sync import refuse_host_sync
-from .signature import CallSignature
+from ..capture.host_sync import refuse_host_sync
+from ..signature import CallSignature
 
 
 @dataclass
@@ -170,10 +170,10 @@ class StepGraphs:
 
         Raises:
             ValueError: ``batch`` holds no tensor.
-            Exception: whatever ``body`` or the capture raises (:class:`~.host_sync.HostSyncError`,
+            Exception: whatever ``body`` or the capture raises (:class:`~..capture.host_sync.HostSyncError`,
                 :class:`~.capture_reads.ReadsDiverged` under ``eager_path``); ``module``'s buffers and the RNG
                 states are restored then, and a CUDA capture leaves the process as it was
-                (:func:`.capture_guard.guarded_capture`).
+                (:func:`..capture.capture_guard.guarded_capture`).
         """
         start = time.perf_counter()
         signature = CallSignature((batch,), {})

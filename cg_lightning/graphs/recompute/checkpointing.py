@@ -27,10 +27,10 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from ..torch_compat import reentrant_checkpoint_calls
-from .autocast import autocast_as, autocast_state
+from ...torch_compat import reentrant_checkpoint_calls
+from ..autocast import autocast_as, autocast_state
 from .discovery import leaves_inside
-from .state import is_graph_capturing, is_graph_warmup
+from ..state import is_graph_capturing, is_graph_warmup
 
 
 def _rng_states() -> Tuple[torch.Tensor, List[torch.Tensor]]:

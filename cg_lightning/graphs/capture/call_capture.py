@@ -1,8 +1,8 @@
 """The capture half of one graphed call: warmup and discovery, forward capture, the backward body and its capture.
 
-:class:`CallCapture` is the base of :class:`~.runner.LayerGraphRunner`; its steps, run by :mod:`.capture_order` in
-replay order, produce the runner's captured state (its graphs, :class:`~.routing.Routing` and
-:class:`~.replay_plan.ReplayPlan`):
+:class:`CallCapture` is the base of :class:`~..replay.runner.LayerGraphRunner`; its steps, run by :mod:`.capture_order` in
+replay order, produce the runner's captured state (its graphs, :class:`~..replay.routing.Routing` and
+:class:`~..replay.replay_plan.ReplayPlan`):
 
 1. :meth:`~CallCapture.warmup`: ``num_warmup_iters`` eager forward+backward passes on the recorded sample
    arguments, with recomputation bypassed, to find the parameters reachable only through recomputation;
@@ -28,22 +28,22 @@ from typing import Iterator, List, Optional, Sequence, Set
 import torch
 
 from . import guards
-from .autocast import autocast_as, autocast_off
-from .checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
-from .discovery import params_to_backprop, reachable_leaves
-from .errors import GraphCaptureError
+from ..autocast import autocast_as, autocast_off
+from ..recompute.checkpointing import bypass_reentrant_checkpoint, recording_bypassed_regions, using_anchor
+from ..recompute.discovery import params_to_backprop, reachable_leaves
+from ..errors import GraphCaptureError
 from .host_sync import refuse_host_sync
-from .input_pieces import InputPieces, piece_inputs
-from .errors import OutputStructureError
-from .outputs import split_outputs
-from .replay_plan import ReplayPlan, foreign_in
-from .routing import Routing
-from .state import graph_capture, graph_warmup, recording_grad_ready
-from .. import protocol
+from ..replay.input_pieces import InputPieces, piece_inputs
+from ..errors import OutputStructureError
+from ..outputs import split_outputs
+from ..replay.replay_plan import ReplayPlan, foreign_in
+from ..replay.routing import Routing
+from ..state import graph_capture, graph_warmup, recording_grad_ready
+from ... import protocol
 
 
 class CallCapture:
-    """Warmup, discovery and capture of one graphed call (the base of :class:`~.runner.LayerGraphRunner`,
+    """Warmup, discovery and capture of one graphed call (the base of :class:`~..replay.runner.LayerGraphRunner`,
     whose constructor sets the call's arguments and static inputs)."""
 
     def _init_capture(self) -> None:
@@ -58,7 +58,7 @@ class CallCapture:
         self._recording: Optional[list] = None
         self._anchors: List[torch.Tensor] = []
         self._anchor: Optional[torch.Tensor] = None
-        #: per input, the keys of its gradient pieces in the order autograd adds them (:mod:`.input_pieces`),
+        #: per input, the keys of its gradient pieces in the order autograd adds them (:mod:`..replay.input_pieces`),
         #: fixed by the backward capture when ``input_pieces`` is on; the input of every extra piece slot
         self._piece_layout: Optional[list] = None
         self.piece_inputs: List[int] = []

@@ -33,7 +33,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from .. import torch_compat
+from ... import torch_compat
 
 #: pool id -> the ``torch.cuda.MemPool`` that captures asking for it get instead (created at the first such
 #: capture); an id is here once a capture into it stopped half-way

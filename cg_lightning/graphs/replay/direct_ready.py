@@ -36,7 +36,7 @@ from typing import Dict, Iterable, List, Set, Tuple
 
 import torch
 
-from .discovery import autograd_edges
+from ..recompute.discovery import autograd_edges
 
 
 def candidates(runners: Iterable) -> Dict[int, object]:

@@ -11,7 +11,7 @@ import dis
 import types
 from typing import Any, Optional, Sequence, Tuple
 
-from ..torch_compat import OP_TYPES
+from ...torch_compat import OP_TYPES
 
 #: builtins a step may call: pure functions of their arguments
 SAFE_BUILTINS = frozenset({

@@ -2,7 +2,7 @@
 
 A :class:`LayerGraphRunner` belongs to one layer, one call index within a training step (a block
 applied twice per step has two runners) and one :class:`CallSignature`. Its capture half (warmup and
-discovery, forward and backward capture, the backward body) is :mod:`.call_capture`; where each parameter
+discovery, forward and backward capture, the backward body) is :mod:`..capture.call_capture`; where each parameter
 gradient goes is its :class:`~.routing.Routing`, and the grad-ready notifications every backward replay fires
 are its :class:`~.replay_plan.ReplayPlan`, both fixed at capture as values. ``replay_forward`` /
 ``replay_backward`` (called by :class:`ReplayFunction`) run every step.
@@ -14,19 +14,19 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .buffer_reuse import check_shared_inputs, copy_into_static
-from . import guards
-from .call_capture import CallCapture
-from .call_settings import REQUIRES_GRAD, CapturedSettings
+from ..buffer_reuse import check_shared_inputs, copy_into_static
+from ..capture import guards
+from ..capture.call_capture import CallCapture
+from ..call_settings import REQUIRES_GRAD, CapturedSettings
 from .grad_layouts import static_grad_output_buffer
-from .discovery import owned_parameters
-from ..main_grad_adds import MainGradAdds
-from .outputs import OutputStructure
+from ..recompute.discovery import owned_parameters
+from ...main_grad_adds import MainGradAdds
+from ..outputs import OutputStructure
 from .replay_plan import ReplayPlan
 from .routing import Routing
-from .signature import CallSignature
-from .. import protocol
-from .. import torch_compat
+from ..signature import CallSignature
+from ... import protocol
+from ... import torch_compat
 
 
 
@@ -74,7 +74,7 @@ class LayerGraphRunner(CallCapture):
         compiled: bool = False,
     ) -> None:
         self.name = name
-        #: ``call`` is a ``torch.compile`` wrapper: captured without the host-sync refusal (:mod:`.host_sync`)
+        #: ``call`` is a ``torch.compile`` wrapper: captured without the host-sync refusal (:mod:`..capture.host_sync`)
         self.compiled = compiled
         #: hand input gradients back piece by piece, in eager autograd's order (:mod:`.input_pieces`): for a
         #: call whose inputs are also used outside it (a part of a split layer)

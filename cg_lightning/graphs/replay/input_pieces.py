@@ -6,7 +6,7 @@ together with the pieces from operations outside the graphed call: ``(outside + 
 ``x + attn(norm(x))`` whose norm reads ``x`` twice. A captured backward returns one gradient per input, ``a + b``
 summed inside the graph, which autograd then adds to the rest: ``outside + (a + b)``, another rounding. For a
 selected layer called as ``x = layer(x)`` nothing outside uses ``x`` and the two agree; for the parts of a split
-layer (:mod:`.splitting`) an outside use is the rule: a norm's input is also the residual.
+layer (:mod:`..split.splitting`) an outside use is the rule: a norm's input is also the residual.
 
 So the backward body of such a call keeps the pieces apart (:class:`InputPieces`): a post hook on every autograd
 node with an edge into a static input keeps what that node sends there, in the order the nodes run (edges of one

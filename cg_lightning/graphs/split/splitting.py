@@ -1,7 +1,7 @@
 """The graph manager's selected layers, and splitting one that cannot be captured whole into its parts.
 
 :class:`LayerSelection` installs the manager's dispatch as each selected layer's ``forward`` (moving a
-checkpoint around ``__call__`` inside it, :mod:`.outer_checkpoint`) and gives the layers back at the end.
+checkpoint around ``__call__`` inside it, :mod:`..recompute.outer_checkpoint`) and gives the layers back at the end.
 
 Under ``graphs.on_capture_error="split"``, a layer whose capture fails (or that an early refusal names) is split:
 it is replaced in the selection by its direct children that hold trainable parameters
@@ -26,10 +26,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tupl
 
 import torch.nn as nn
 
-from . import outer_checkpoint
-from ..torch_compat import is_compiled
-from .guards import failure_cause
-from .selection import GraphedLayer, trainable_children
+from ..recompute import outer_checkpoint
+from ...torch_compat import is_compiled
+from ..capture.guards import failure_cause
+from ..selection import GraphedLayer, trainable_children
 
 #: how many times a selected layer's parts may be split in turn (a decoder layer, its MoE block, an expert list)
 MAX_SPLIT_DEPTH = 3

@@ -1,6 +1,6 @@
 """What becomes of a layer that cannot be captured: ``graphs.on_capture_error``.
 
-A layer fails when its capture raises :class:`~.guards.GraphCaptureError` (a host sync, a CPU tensor, an output
+A layer fails when its capture raises :class:`~..capture.guards.GraphCaptureError` (a host sync, a CPU tensor, an output
 leaf that is neither a tensor nor a constant: :mod:`.outputs`) or when an early refusal names it (hooks inside it, an enclosing non-reentrant
 checkpoint). ``"raise"`` lets the error stop training. ``"eager"`` runs the layer eagerly from then on, with
 one warning (:meth:`CaptureFailures.mark_failed`). ``"split"`` replaces the layer by its parts
@@ -13,10 +13,10 @@ from __future__ import annotations
 import warnings
 from typing import Set
 
-from . import guards
-from .graph_sets import GraphSetCache, GraphStats
-from .options import GraphOptions
-from .selection import GraphedLayer
+from ..capture import guards
+from ..graph_sets import GraphSetCache, GraphStats
+from ..options import GraphOptions
+from ..selection import GraphedLayer
 from .splitting import LayerSelection
 
 
