@@ -25,7 +25,8 @@ plugin's ``backward``                     ``after_backward()`` before ``on_after
 ``teardown``                              ``close()``
 ========================================  =====================================================================
 
-Faults (bounded collectives, named peer errors, preemption) are :mod:`cg_lightning.trainer.faults`.
+The backward and optimizer-step hooks are :mod:`.step_hooks`; faults (bounded collectives, named peer errors,
+preemption) are :mod:`.faults`.
 
 Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPUs.
 """
@@ -34,8 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Generator, Iterator, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 from lightning.pytorch.accelerators import Accelerator
@@ -43,8 +43,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.nn import Module
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from ..registration import LightningNamespace, wrong_trainer_error
@@ -56,6 +54,7 @@ from .faults import FaultsMixin
 from .whole_step import LightningWholeStep
 from ..options import as_options
 from .setup_checks import check_setup, check_train_data
+from .step_hooks import StepHooksMixin
 from .torch_ddp_options import split_torch_ddp_kwargs
 
 
@@ -64,7 +63,7 @@ def _destroy_process_group_at_exit() -> None:
         torch.distributed.destroy_process_group()
 
 
-class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
+class CUDAGraphDDPMixin(StepHooksMixin, FaultsMixin, DistributedOptimizerMixin):
     """Data-parallel training with per-layer CUDA graphs and exact ``main_grad`` accumulation.
 
     Collectives are bounded by ``ddp.timeout_s`` from the first training step on, and a failed one is a
@@ -221,117 +220,6 @@ class CUDAGraphDDPMixin(FaultsMixin, DistributedOptimizerMixin):
             bar.print(message)
         else:
             self._lightning_ns.rank_zero_info(message)
-
-    @override
-    @contextmanager
-    def block_backward_sync(self) -> Generator:
-        if self.driver is not None:
-            with self.driver.no_sync():
-                yield None
-        else:
-            yield None
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any):
-        """Lightning's backward, with the driver's events around the precision plugin's ``backward`` (autograd):
-        ``before_backward`` after ``on_before_backward``, which sees (and may change) the sum so far in
-        ``param.grad`` as under ``"ddp"``; ``after_backward`` (the all-reduce, ``param.grad`` pointing at
-        ``main_grad``) before ``on_after_backward``, where torch DDP has its all-reduce done."""
-        if self.driver is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self.whole_step is not None and self.whole_step.take_backward():
-            return self._backward_replayed(closure_loss)
-        with self._driver_around_autograd(self.driver) as ran:
-            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if not ran:
-            raise RuntimeError(
-                "cg_lightning: Lightning's Strategy.backward did not call precision_plugin.backward, where "
-                "CUDAGraphDDPStrategy finishes the gradient sync; this Lightning version is not supported."
-            )
-        return closure_loss
-
-    def _backward_replayed(self, closure_loss: torch.Tensor) -> torch.Tensor:
-        """Lightning's backward for a step whose graph ran it already: its hooks around no autograd, the
-        gradients exposed again (the closure's ``zero_grad`` dropped them), the step counted."""
-        module = self.lightning_module
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self.driver.replayed_backward()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    @contextmanager
-    def _driver_around_autograd(self, driver: TrainingDriver) -> Iterator[list]:
-        """Within the block, the precision plugin's ``backward`` (the call that runs autograd, between the
-        ``on_before_backward`` and ``on_after_backward`` hooks) is wrapped in the driver's ``before_backward``
-        and ``after_backward``; an instance attribute over the plugin's method, removed afterwards. Yields a
-        list that holds ``True`` once the wrapped call has run."""
-        plugin = self.precision_plugin
-        had = "backward" in plugin.__dict__
-        saved = plugin.__dict__.get("backward")
-        inner = plugin.backward
-        ran: list = []
-
-        def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            driver.before_backward(tensor)
-            out = inner(tensor, *args, **kwargs)
-            driver.after_backward()  # completes the step exactly when gradient sync is on (not under no_sync)
-            ran.append(True)
-            return out
-
-        plugin.backward = backward
-        try:
-            yield ran
-        finally:
-            if had:
-                plugin.backward = saved
-            else:
-                del plugin.backward
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Module] = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Lightning's step (closure: forward, backward, clipping; then ``optimizer.step``) inside the driver's
-        ``stepping`` (the captured or cached optimizer step, where it applies), then ``after_optimizer_step``.
-        The gradients stay in ``param.grad`` (aliasing ``main_grad``) for ``on_train_batch_end`` and
-        ``on_before_zero_grad``, as under ``"ddp"``; Lightning's ``zero_grad`` before the next backward sets
-        them to ``None`` and the driver's ``before_backward`` zeroes ``main_grad`` to match."""
-        if isinstance(optimizer, self._lightning_ns.optimizer_wrapper):
-            optimizer = optimizer.optimizer
-        driver = self.driver
-        if driver is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        refusal = ("the GradScaler of 16-mixed checks the gradients for inf/NaN on the host before each step"
-                   if scaler is not None else None)
-        with driver.stepping(optimizer, refusal):
-            out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        driver.after_optimizer_step(zero_grad=False)
-        return out
-
-    @property
-    def cached_optimizer_steps(self) -> int:
-        """Optimizer steps taken on cached tensor lists so far in this fit (``graphs.cached_optimizer_step``)."""
-        return self.driver.cached_optimizer_steps if self.driver is not None else 0
-
-    @property
-    def optimizer_replays(self) -> int:
-        """Optimizer steps replayed from a graph so far in this fit (``graphs.capture_optimizer``)."""
-        return self.driver.optimizer_replays if self.driver is not None else 0
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        """The optimizer's state dict, with ``capturable`` as the user set it (a captured step sets it on every
-        group), so the checkpoint loads under any strategy."""
-        state = super().optimizer_state(optimizer)
-        raw = optimizer.optimizer if isinstance(optimizer, self._lightning_ns.optimizer_wrapper) else optimizer
-        return self.driver.optimizer_state_view(raw, state) if self.driver is not None else state
 
     # ----------------------------------------------------------------- teardown
     @override
