@@ -21,11 +21,12 @@ point for a data-parallel engine, so, like other libraries that bring their own 
   engine's buckets (unless under ``no_sync``) and points ``param.grad`` at ``main_grad``, so
   ``clip_grad_norm_`` and the optimizer see the reduced gradients; prints the driver's ``capture_summary``.
 * ``unwrap_model``: also removes the engine.
-* ``clip_grad_norm_`` and ``save_state``, under ``ddp.distributed_optimizer`` only (:mod:`.sharded`): the norm over every rank's shard;
-  ``save_state`` refused (each rank saves its own ``optimizer.state_dict()``). With ``ddp.overlap_param_gather`` the
-  parameters' all-gather after ``optimizer.step()`` runs on into the next forward of the prepared model, whose
-  modules wait for it, as do ``state_dict()``, ``load_state_dict()``, the next step and the end of training;
-  :meth:`~CUDAGraphAccelerator.wait_for_params` before reading parameter values otherwise in between.
+* ``clip_grad_norm_`` and ``save_state``, under ``ddp.distributed_optimizer`` only (:mod:`.sharded`): the norm over
+  every rank's shard; ``save_state`` refused (each rank saves its own ``optimizer.state_dict()``). With
+  ``ddp.overlap_param_gather`` the parameters' all-gather after ``optimizer.step()`` runs on into the next forward of
+  the prepared model, whose modules wait for it, as do ``state_dict()``, ``load_state_dict()``, the next step and
+  the end of training; :meth:`~CUDAGraphAccelerator.wait_for_params` before reading parameter values otherwise in
+  between.
 * faults (:mod:`.faults`): collectives bounded by ``ddp.timeout_s`` that name the rank at fault; ``check_preemption``
   and ``exit_preempted`` for a stop on SIGTERM agreed by every process.
 """
@@ -44,9 +45,8 @@ from typing_extensions import override
 
 from ..ddp import DDPOptions
 from ..graphs import GraphOptions
-from ..lifecycle import apply_graphs
+from ..lifecycle import GraphedDataParallel, apply_graphs, loop_backward
 from ..options import as_options
-from ..lifecycle import GraphedDataParallel
 from .faults import AccelerateFaultsMixin
 from .sharded import ShardedOptimizerMixin
 from .optimizer import GradBufferOptimizer
@@ -214,37 +214,17 @@ class CUDAGraphAccelerator(ShardedOptimizerMixin, AccelerateFaultsMixin, Acceler
             GradSyncError: a parameter did not report its gradient on some rank (named in the message).
             PeerLostError: another rank is gone or silent past ``ddp.timeout_s`` (named in the message).
         """
-        active = [engine for engine in self._graph_engines if engine.start_backward(loss)]
-        for engine in self._graph_engines:
-            engine.hooks_armed = True
-        try:
-            super().backward(loss, **kwargs)
-        finally:
-            for engine in self._graph_engines:
-                engine.hooks_armed = False
-        for engine in self._graph_engines:
-            if engine not in active and any(any(b.slot_counts) for b in engine.buckets):
-                raise RuntimeError(
-                    "cg_lightning: accelerator.backward reached parameters of a model prepared by "
-                    "CUDAGraphAccelerator without a forward of the prepared model since the last backward (a "
-                    "forward of accelerator.unwrap_model(model), a second backward through one forward, or two "
-                    "forwards followed by two backwards as in Accelerate's trigger_sync_in_backward example, which "
-                    "this engine does not support: add the losses and run one backward): "
-                    "their gradients are in main_grad, but the engine would neither all-reduce them nor point "
-                    "param.grad at them, and the optimizer step would change nothing. Call the prepared model, "
-                    "once per backward, in training steps."
-                )
-        with self._bounded("backward"):  # the engines' waits: the grad-ready agreement, the buckets' all-reduce
-            for engine in active:
-                if not engine.reached:
-                    # the loss did not depend on this model's forward (a GAN generator's detached output in the
-                    # discriminator's loss): its micro-batch waits for a backward that reaches it
-                    engine.defer_backward()
-                    continue
-                engine.finish_backward(completes_step=self.sync_gradients)
-                summary = engine.driver.capture_summary()
-                if summary is not None:
-                    self.print(str(summary))
+        loop_backward(
+            self._graph_engines, loss, lambda: super(CUDAGraphAccelerator, self).backward(loss, **kwargs),
+            lambda engine: self.sync_gradients, lambda: self._bounded("backward"), self.print,
+            "cg_lightning: accelerator.backward reached parameters of a model prepared by "
+            "CUDAGraphAccelerator without a forward of the prepared model since the last backward (a "
+            "forward of accelerator.unwrap_model(model), a second backward through one forward, or two "
+            "forwards followed by two backwards as in Accelerate's trigger_sync_in_backward example, which "
+            "this engine does not support: add the losses and run one backward): "
+            "their gradients are in main_grad, but the engine would neither all-reduce them nor point "
+            "param.grad at them, and the optimizer step would change nothing. Call the prepared model, "
+            "once per backward, in training steps.")
 
     @override
     def free_memory(self, *objects):

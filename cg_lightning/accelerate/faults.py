@@ -19,10 +19,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn, Optional, Sequence
 
-import torch.distributed as dist
 from typing_extensions import override
 
-from .. import torch_compat
 from ..ddp import peers, progress
 from ..lifecycle.preemption import SignalStop, default_signals, exit_status, signal_name
 
@@ -39,11 +37,8 @@ class AccelerateFaultsMixin:
     # ----------------------------------------------------------------- bounded collectives
     def _start_faults(self) -> None:
         """At the first prepared engine: the world group's timeout becomes ``ddp.timeout_s``; the board opens."""
-        if self._faults_started or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return
-        self._faults_started = True
-        torch_compat.set_group_timeout(self.ddp_options.timeout_s)
-        progress.open_board(dist.get_rank(), dist.get_world_size(), self.ddp_options.timeout_s)
+        if not self._faults_started:
+            self._faults_started = peers.bound_world(self.ddp_options.timeout_s)
 
     def _stop_faults(self) -> None:
         preemption, self._preemption = self._preemption, None
@@ -58,10 +53,7 @@ class AccelerateFaultsMixin:
         return self._graph_engines[0].steps if self._graph_engines else -1
 
     def _bounded(self, phase: str, during: Optional[str] = None):
-        step = self._step()
-        progress.report(step, phase)
-        return peers.peer_errors(during or f"the {phase} of {f'step {step}' if step >= 0 else 'a step'}",
-                                 self.ddp_options.timeout_s)
+        return peers.bounded_phase(self._step(), phase, self.ddp_options.timeout_s, during)
 
     @override
     def wait_for_everyone(self) -> None:

@@ -33,6 +33,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch.distributed as dist
 
+from .. import torch_compat
 from . import progress
 from .errors import GradSyncError
 from .progress import Entry, StoreUnreachable, process_state
@@ -222,3 +223,22 @@ def peer_errors(during: str, timeout_s: float) -> Iterator[None]:
         if not is_transport_error(exc):
             raise
         raise peer_error(exc, during, timeout_s) from exc
+
+
+def bound_world(timeout_s: float) -> bool:
+    """With several processes in the world group: its collectives wait at most ``timeout_s`` from now on and this
+    process's progress board opens (the loop front ends do this at their first set-up model). Returns whether it
+    did; with one process there is nothing to bound."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    torch_compat.set_group_timeout(timeout_s)
+    progress.open_board(dist.get_rank(), dist.get_world_size(), timeout_s)
+    return True
+
+
+def bounded_phase(step: int, phase: str, timeout_s: float, during: Optional[str] = None):
+    """``phase`` of ``step`` reported on the board, and a context in which a failed collective is a
+    :class:`PeerLostError` saying it happened during it (``during``, default ``the <phase> of step <step>``; a
+    negative ``step``: before the first)."""
+    progress.report(step, phase)
+    return peer_errors(during or f"the {phase} of {f'step {step}' if step >= 0 else 'a step'}", timeout_s)

@@ -33,19 +33,16 @@ import contextlib
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Dict, List, Optional, Union
 
-import torch
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from .. import torch_compat
 from ..ddp import DDPOptions, peers, progress
 from ..graphs import GraphOptions
-from ..lifecycle import GraphedDataParallel, apply_graphs
+from ..lifecycle import GraphedDataParallel, apply_graphs, loop_backward
 from ..options import as_options
 from ..registration import register_with_fabric
 
@@ -137,17 +134,11 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         return engine
 
     def _start_faults(self) -> None:
-        dist = torch.distributed
-        if self._faults_started or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return
-        self._faults_started = True
-        torch_compat.set_group_timeout(self.ddp_options.timeout_s)
-        progress.open_board(dist.get_rank(), dist.get_world_size(), self.ddp_options.timeout_s)
+        if not self._faults_started:
+            self._faults_started = peers.bound_world(self.ddp_options.timeout_s)
 
     def _bounded(self, phase: str):
-        step = self._engines[0].steps if self._engines else -1
-        progress.report(step, phase)
-        return peers.peer_errors(f"the {phase} of step {step}", self.ddp_options.timeout_s)
+        return peers.bounded_phase(self._engines[0].steps if self._engines else -1, phase, self.ddp_options.timeout_s)
 
     # ----------------------------------------------------------------- backward
     @override
@@ -160,30 +151,12 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             PeerLostError: another rank is gone or silent past ``ddp.timeout_s`` (named in the message).
             RuntimeError: the loss reached a set-up model's parameters without a forward of the set-up model.
         """
-        active = [engine for engine in self._engines if engine.start_backward(tensor)]
-        for engine in self._engines:
-            engine.hooks_armed = True
-        try:
-            super().backward(tensor, module, *args, **kwargs)
-        finally:
-            for engine in self._engines:
-                engine.hooks_armed = False
-        for engine in self._engines:
-            if engine not in active and any(any(b.slot_counts) for b in engine.buckets):
-                raise RuntimeError(
-                    "cg_lightning: fabric.backward reached parameters of a model set up under "
-                    "strategy='cudagraph_ddp' without a forward of the set-up model since the last backward (a "
-                    "forward of model.module, or a second backward through one forward): call the model fabric.setup "
-                    "returned, once per backward.")
-        with self._bounded("backward"):
-            for engine in active:
-                if not engine.reached:  # the loss did not depend on this model: its micro-batch waits
-                    engine.defer_backward()
-                    continue
-                engine.finish_backward(completes_step=engine.sync_enabled)
-                summary = engine.driver.capture_summary()
-                if summary is not None:
-                    rank_zero_info(str(summary))
+        loop_backward(
+            self._engines, tensor, lambda: super(CUDAGraphDDPStrategy, self).backward(tensor, module, *args, **kwargs),
+            lambda engine: engine.sync_enabled, lambda: self._bounded("backward"), rank_zero_info,
+            "cg_lightning: fabric.backward reached parameters of a model set up under strategy='cudagraph_ddp' "
+            "without a forward of the set-up model since the last backward (a forward of model.module, or a second "
+            "backward through one forward): call the model fabric.setup returned, once per backward.")
 
     # ----------------------------------------------------------------- optimizer
     @override

@@ -67,7 +67,7 @@ events), :mod:`.loop_engine` (:class:`GraphedDataParallel`), :mod:`.optimizer_st
 
 from .building import apply_data_parallel, apply_graphs, build_driver, capture_stream
 from .driver import TrainingDriver
-from .loop_engine import GraphedDataParallel
+from .loop_engine import GraphedDataParallel, loop_backward
 from .summary import CaptureSummary
 
 __all__ = [
@@ -78,4 +78,5 @@ __all__ = [
     "apply_graphs",
     "build_driver",
     "capture_stream",
+    "loop_backward",
 ]

@@ -30,7 +30,7 @@ Imports only torch and the project's engine; the front ends' glue lives in :mod:
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -226,3 +226,41 @@ class GraphedDataParallel(DataParallelEngine):
                     p.grad = main.detach().clone() if main.dtype is p.dtype else main.to(p.dtype)
         self.driver.close()
         self.module.__dict__.pop("_is_accelerate_prepared", None)
+
+
+def loop_backward(engines: Sequence[GraphedDataParallel], loss: torch.Tensor, autograd: Callable[[], None],
+                  completes_step: Callable[[GraphedDataParallel], bool], bounded: Callable[[], ContextManager],
+                  announce: Callable[[str], None], misuse: str) -> None:
+    """A loop front end's backward (``accelerator.backward``, ``fabric.backward``) on its engines.
+
+    Each engine's :meth:`~GraphedDataParallel.start_backward`; ``autograd()`` (the front end's own backward: loss
+    scaling, ``loss.backward``) with the engines' hooks armed; then, inside ``bounded()``, for every engine whose
+    forward fed this loss: :meth:`~GraphedDataParallel.finish_backward` (``completes_step(engine)``) and its capture
+    summary handed to ``announce``. An engine whose forward ran but whose parameters the loss does not depend on (a
+    GAN generator's detached output in the discriminator's loss) keeps its micro-batch open for the next backward.
+
+    Raises:
+        RuntimeError: ``misuse``, when the backward reached an engine's parameters without a forward of the engine
+            since the last backward (their gradients would sit in ``main_grad``, never all-reduced or exposed).
+        GradSyncError, PeerLostError: from the engines' gradient sync.
+    """
+    active = [engine for engine in engines if engine.start_backward(loss)]
+    for engine in engines:
+        engine.hooks_armed = True
+    try:
+        autograd()
+    finally:
+        for engine in engines:
+            engine.hooks_armed = False
+    for engine in engines:
+        if engine not in active and any(any(b.slot_counts) for b in engine.buckets):
+            raise RuntimeError(misuse)
+    with bounded():  # the engines' waits: the grad-ready agreement, the buckets' all-reduce
+        for engine in active:
+            if not engine.reached:  # the loss did not depend on this model: its micro-batch waits
+                engine.defer_backward()
+                continue
+            engine.finish_backward(completes_step=completes_step(engine))
+            summary = engine.driver.capture_summary()
+            if summary is not None:
+                announce(str(summary))
