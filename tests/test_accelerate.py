@@ -101,26 +101,6 @@ def test_two_process_bf16_parity(tmp_path):
 # ---------------------------------------------------------------------------------- one process, in-process
 
 
-@pytest.fixture
-def fresh_accelerate_state(monkeypatch):
-    """A single-process world: no process group or launcher variables left by earlier in-process tests
-    (Lightning's in-process "ddp" runs keep their gloo group), and Accelerate's singletons reset."""
-    import torch.distributed as dist
-    from accelerate.state import AcceleratorState, GradientState
-
-    from tests.helpers import DIST_VARS
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for var in DIST_VARS:
-        monkeypatch.delenv(var, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _run_script_in_process(tmp_path, name: str, *args: str) -> dict:
     from accelerate.state import AcceleratorState, GradientState
 

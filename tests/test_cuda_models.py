@@ -10,7 +10,6 @@ weights equal bit for bit. Each case prints one line: graphed calls, segments, l
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -24,15 +23,6 @@ from tests.recorders import GradRecorder
 pytestmark = pytest.mark.cuda
 
 STEPS = 8
-
-
-@pytest.fixture
-def deterministic():
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
 
 
 def _fit_tokens(strategy, build, precision):

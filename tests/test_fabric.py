@@ -173,15 +173,6 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
             launcher.wait(timeout=10)
 
 
-@pytest.fixture
-def deterministic():
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("model", ["parity", "llama"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])

@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 from cg_lightning.accelerate import CUDAGraphAccelerator  # noqa: E402
 from cg_lightning.transformers import CUDAGraphTrainer  # noqa: E402
-from tests.helpers import DIST_VARS  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
@@ -37,20 +36,8 @@ def _llama() -> torch.nn.Module:
 
 
 @pytest.fixture(autouse=True)
-def fresh_accelerate_state(monkeypatch):
-    """One process, no process group, Accelerate's singletons reset before and after each run."""
-    import torch.distributed as dist
-    from accelerate.state import AcceleratorState, GradientState
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for var in DIST_VARS:
-        monkeypatch.delenv(var, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+def _one_process(fresh_accelerate_state):
+    """Every test here runs in a fresh single-process world (``tests/conftest.py``)."""
 
 
 def _args(tmp_path, name: str, **overrides) -> "transformers.TrainingArguments":
@@ -172,16 +159,10 @@ def test_the_example_script_fine_tunes_with_evaluation_and_checkpoints(tmp_path)
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_real_graphs_equal_the_plain_trainer(tmp_path, precision):
+def test_real_graphs_equal_the_plain_trainer(tmp_path, precision, deterministic):
     """On the GPU with CUDA graphs (fp16 through Accelerate's GradScaler), deterministic kernels, bit for bit."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        kw = dict(use_cpu=False, bf16=precision == "bf16", fp16=precision == "fp16")
-        ref = _fit(transformers.Trainer, tmp_path, "ref", **kw)
-        got = _fit(CUDAGraphTrainer, tmp_path, "cg", **kw)
-    finally:
-        torch.use_deterministic_algorithms(before)
+    kw = dict(use_cpu=False, bf16=precision == "bf16", fp16=precision == "fp16")
+    ref = _fit(transformers.Trainer, tmp_path, "ref", **kw)
+    got = _fit(CUDAGraphTrainer, tmp_path, "cg", **kw)
     _assert_same(got, ref)
     print(f"transformers.Trainer {precision} cuda graphs: losses and weights equal")
