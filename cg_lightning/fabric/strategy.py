@@ -112,6 +112,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         self.ddp_options = ddp_options
         self._backward_sync_control = _EngineSyncControl()
         self._engines: List[GraphedDataParallel] = []
+        self._engines_by_optimizer: Dict[tuple, List[GraphedDataParallel]] = {}
         self._faults_started = False
 
     # ----------------------------------------------------------------- setup
@@ -130,6 +131,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         engine.hooks_armed = False  # armed inside fabric.backward only
         engine.backward_call = "fabric.backward(loss)"
         self._engines.append(engine)
+        self._engines_by_optimizer.clear()
         self._start_faults()
         return engine
 
@@ -168,8 +170,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             RuntimeError: a forward's backward did not go through ``fabric.backward``.
             PeerLostError: see :meth:`backward`.
         """
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        engines = [e for e in self._engines if any(id(p) in ids for p in e.params)]
+        engines = self._engines_of(optimizer)
         for engine in engines:
             engine.check_ready_for_step()
         with self._bounded("optimizer step") if engines else contextlib.nullcontext():
@@ -177,6 +178,16 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         for engine in engines:
             engine.after_optimizer_step()
         return out
+
+    def _engines_of(self, optimizer: Any) -> List[GraphedDataParallel]:
+        """The engines holding parameters of ``optimizer``; looked up again only when its groups change (not a walk
+        over every parameter at every step)."""
+        key = (id(optimizer), tuple(len(group["params"]) for group in optimizer.param_groups))
+        found = self._engines_by_optimizer.get(key)
+        if found is None:
+            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            found = self._engines_by_optimizer[key] = [e for e in self._engines if any(id(p) in ids for p in e.params)]
+        return found
 
     # ----------------------------------------------------------------- collectives, bounded and named
     @override
@@ -217,6 +228,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         for engine in self._engines:
             engine.release()
         self._engines = []
+        self._engines_by_optimizer.clear()
         if self._faults_started:
             progress.close_board()
             self._faults_started = False
