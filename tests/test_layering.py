@@ -193,3 +193,17 @@ def test_the_graph_errors_live_in_one_module_that_imports_nothing():
     assert where and set(where.values()) == {"errors.py"}, where
     tree = ast.parse(open(os.path.join(graphs, "errors.py")).read())
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def test_every_package_module_is_readable_in_one_sitting():
+    """No module of the package is over 300 lines (a longer one holds more than one concept: split it)."""
+    long = {}
+    for folder, _, names in os.walk(os.path.join(ROOT, "cg_lightning")):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    lines = sum(1 for _ in f)
+                if lines > 300:
+                    long[os.path.relpath(path, ROOT)] = lines
+    assert not long, long

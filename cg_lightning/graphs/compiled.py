@@ -50,6 +50,14 @@ def compiled_forward(forward: Callable, backend: str, mode: str) -> Callable:
     return torch.compile(forward, backend=backend, mode=None if mode == "default" else mode, dynamic=False)
 
 
+def compile_wrapper(options) -> Optional[Callable[[Callable], Callable]]:
+    """What ``graphs.compile`` does to each selected layer's ``forward`` (:func:`compiled_forward` under the
+    options' backend and mode), or ``None`` with it off. ``options``: a :class:`~.options.GraphOptions`."""
+    if not options.compile:
+        return None
+    return lambda forward: compiled_forward(forward, options.compile_backend, options.compile_mode)
+
+
 class WarmupClock:
     """Host seconds of each warmup micro-batch (from one ``begin_step`` to the next), to report compile time as
     the first warmup step's excess over the last one (:attr:`compile_seconds`; the whole first step when only one

@@ -1,68 +1,36 @@
 """The per-layer graph manager: records eager calls, captures every graphed call of a step, replays.
 
-Schedule (driven by :meth:`GraphManager.begin_step`, called at the start of every training micro-batch):
-
-* During the first ``warmup_steps`` steps this manager sees (counted from the first ``begin_step``, so a
-  resumed run warms up again) layers run eagerly and each training call is recorded (layer, call index
-  within the step, signature, arguments: :mod:`.capture.recording`); each step's record replaces the previous one.
-* At the first graphed call of the first step after warmup, every recorded call gets a
-  :class:`LayerGraphRunner`: all are warmed up, their forwards captured in call order, then their
-  backwards in reverse order, into one memory pool, so replays in the same order are safe. ``main_grad``,
-  module buffers and RNG states are restored afterwards: capture changes no training state. The runners
-  form a *graph set*, keyed by the signature of the step's first graphed call (:mod:`.graph_sets`); building
-  it is :class:`~.capture.set_capture.SetCapture`'s.
-* Each later step picks its set at its first graphed call; the i-th call of a layer replays runner
-  (layer, i) of that set, or, if its arguments differ from the runner's, follows ``shape_policy``
-  (:class:`~.replay.set_replay.SetReplay`, the replay half; segments: :mod:`.segments.dispatch`).
-  Under ``"recapture"`` a step whose first call matches no set runs eagerly and is recorded; the next
-  step with that signature captures it as another set (same pool), up to ``max_graph_sets``.
-* A layer whose capture raises :class:`GraphCaptureError` follows ``on_capture_error``: ``"eager"``
-  drops it from the set (it runs eagerly from then on) and captures the others without it; ``"split"``
-  replaces it by its parts (:mod:`.split.splitting`), drops every graph set and recorded step (they hold no calls of
-  the parts), records the rest of the step again and captures at the next one.
-
-Calls in eval mode or under ``no_grad`` run eagerly, or, with ``capture_eval``, eval-mode calls without
-autograd replay forward-only graphs kept apart from the training graphs (:mod:`.eval_graphs`).
-
-What a training step's graphed calls do is its :class:`StepMode`, fixed at its first graphed call
-(``_start_of_step``); this module is that state machine and the dispatch of each call by mode.
+The schedule (warmup records, capture at the first step after warmup, a graph set per step, ``shape_policy``,
+``on_capture_error``) is described in :mod:`.schedule`; what a training step's graphed calls do is its
+:class:`~.schedule.StepMode`, fixed at its first graphed call (``_start_of_step``). This module is that state
+machine and the dispatch of each call by mode; capture is :class:`~.capture.set_capture.SetCapture`'s, replay
+:class:`~.replay.set_replay.SetReplay`'s, failures :class:`~.split.failures.CaptureFailures`'.
 """
 
 from __future__ import annotations
 
-import enum
 import warnings
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
 
-from . import observer_hooks
 from .capture import guards
 from .recompute import outer_checkpoint
 from .backends import make_backend
-from .compiled import WarmupClock, compiled_forward
+from .compiled import WarmupClock, compile_wrapper
 from .eval_graphs import EvalGraphs
 from .split.failures import CaptureFailures
-from .graph_sets import GraphSetCache, GraphStats, describe
+from .graph_sets import GraphSetCache, GraphStats
 from .options import GraphOptions
-from .capture.recording import StepRecord, mark_inputs_used_elsewhere, record_call
+from .capture.recording import mark_inputs_used_elsewhere, record_call
 from .replay.runner import LayerGraphRunner
 from .segments import segment_ends
 from .selection import GraphedLayer, select_layers
 from .split.splitting import LayerSelection
 from .capture.set_capture import SetCapture
 from .replay.set_replay import SetReplay
-from .signature import CallSignature
-
-
-class StepMode(enum.Enum):
-    """What the graphed calls of the current training step do; fixed at the step's first graphed call."""
-
-    UNSTARTED = "unstarted"  #: no graphed call yet in this step
-    RECORD = "record"  #: run eagerly and record the calls (warmup, or a new signature under "recapture")
-    REPLAY = "replay"  #: replay the active graph set's runners
-    EAGER = "eager"  #: run eagerly (every layer failed, or the graph-set cache is full)
+from .schedule import MicroBatch, StepMode, Warmup
 
 
 class GraphManager:
@@ -95,10 +63,7 @@ class GraphManager:
         self.backend = make_backend(options.backend, device) if options.enabled else None
         self.stats = GraphStats(backend=self.backend.name if self.backend is not None else "")
         #: the selected layers and, after splits (on_capture_error="split"), their parts (:mod:`.split.splitting`)
-        wrap = None
-        if options.compile and options.enabled:  # graphs.compile (:mod:`.compiled`)
-            def wrap(forward):
-                return compiled_forward(forward, options.compile_backend, options.compile_mode)
+        wrap = compile_wrapper(options) if options.enabled else None  # graphs.compile (:mod:`.compiled`)
         self.selection = LayerSelection(select_layers(model, options.layers), self._make_dispatch, wrap)
         self._clock = WarmupClock() if wrap is not None else None
         #: the layers dispatched, the selection's own list (a split inserts the parts; the split one runs eagerly)
@@ -112,61 +77,33 @@ class GraphManager:
         #: the replay half: the step's graph set, shape policy, direct-ready confirmation (:mod:`.replay.set_replay`)
         self._replay = SetReplay(options, self.stats, device)
         self.eval_graphs: Optional[EvalGraphs] = None  # built at the first eval call with capture_eval on
-        self._warmup_record: Optional[StepRecord] = None  # the last warmup step's calls
-        # the latest warmup record of each lead signature (multi_pass), else just the last one
-        self._warmup_kinds: List[StepRecord] = []
-        self._start_step: Optional[int] = None
-        self._global_step = 0
-        self._calls: Dict[int, int] = {}
-        self._in_training_step = False
+        #: when warmup ends and its records kept for capture (:mod:`.schedule`); ``warmup.multi_pass``: a step is made
+        #: of passes of different kinds (a GAN's generator and discriminator passes), each captured as a graph set
+        self.warmup = Warmup()
         #: called at a graphed training call outside a micro-batch (autograd on, module in training mode) to open
         #: one; a front-end sets it while several forward-backward passes share one training step (manual
         #: optimization), ``None`` otherwise (such a call then runs eagerly)
         self.open_on_call: Optional[Callable[[], None]] = None
-        #: a step is made of passes of different kinds (a GAN's generator and discriminator passes): the last
-        #: warmup pass of each lead signature is captured as a graph set of its own, at the first pass of its
-        #: kind after warmup; otherwise only the last warmup pass is, and other kinds follow ``shape_policy``
-        self.multi_pass = False
-        self._mode = StepMode.UNSTARTED
-        self._recording: Optional[StepRecord] = None
-        self._cache_full_warned = False
+        self._batch = MicroBatch()  # the current training micro-batch's graphed calls (:mod:`.schedule`)
         self._nothing_warned = False
-        self._no_grad_calls = 0  # this micro-batch's training-mode calls without autograd (guards.nothing_graphed)
         self._segment_ends: Set[Tuple[int, int]] = set()  # graphs.segments: (id(layer), index) of recorded calls
         # after which some recorded micro-batch showed a reason to end a segment (segments.segment_ends)
         #: the data-parallel engine's grad-ready reporter (:meth:`bind_grad_ready`), handed to every runner
         self.grad_ready = None
         #: called before graphed code reads parameters (:meth:`bind_param_reads`), or ``None``
         self.param_reads: Optional[Callable[[Optional[nn.Module]], None]] = None
-        self._observers = observer_hooks.ObserverWatch()  # transformers' output hooks inside the layers
-        for layer in list(self.layers):
-            self._refuse_early(layer, at_call=False)
+        if self.backend is not None:  # refused before capture where it can be seen now (split.failures)
+            for layer in list(self.layers):
+                self._failures.refuse_early(layer, at_call=False)
         self._failures.reselected = False  # nothing was recorded yet
-
-    def _refuse_early(self, layer: GraphedLayer, at_call: bool) -> None:
-        """What capture would refuse and can be seen before it, refused now under ``on_capture_error`` (a layer
-        is split under ``"split"``: :meth:`~.split.failures.CaptureFailures.refuse_early`); notes the transformers
-        observer hooks inside the layer."""
-        if layer.failure is not None or self.backend is None:
-            return
-        self._observers.note(layer.module)
-        self._failures.refuse_early(layer, at_call)
-
-    def _split_at_active_observers(self) -> bool:
-        """Split every layer with an active observer hook inside (``on_capture_error="split"``): the hooked
-        submodules become graphed parts, whose own hooks run around their replays. Whether any was split."""
-        for layer in list(self.layers):
-            if layer.failure is None and observer_hooks.any_active(observer_hooks.observers_inside(layer.module)):
-                self._failures.failed(layer, guards.GraphCaptureError(guards.observer_inside(layer.name)))
-        self._observers.renote(layer.module for layer in self.layers if layer.failure is None)
-        return self._split_since(self._global_step)
 
     def _split_since(self, last_recording_step: int) -> bool:
         """Whether a layer was split since the last look; the graph sets and recorded steps, which lack its parts'
         calls, are dropped then: steps up to ``last_recording_step`` record, a later one captures."""
         if not self._failures.take_split(last_recording_step):
             return False
-        self._warmup_record, self._warmup_kinds, self._recording = None, [], None
+        self.warmup.clear()
+        self._batch.recording = None
         self._replay.graph_set = None
         self._sets.count()
         return True
@@ -205,31 +142,25 @@ class GraphManager:
     # ----------------------------------------------------------------- schedule
     def begin_step(self, global_step: int) -> None:
         """Start of a training micro-batch: reset call indices; the step's mode is set at its first call."""
-        if self._start_step is None:
-            self._start_step = global_step
+        self.warmup.begin(global_step)
         self.cache.limit = self.options.max_graph_sets
-        self._global_step = global_step
         if self._clock is not None:
             self._clock.tick(warming_up=not self.capture_due)
             self.stats.compile_seconds = self._clock.compile_seconds
         for module in self.selection.held:
             outer_checkpoint.hold(module)
         self._replay.begin_step()
-        self._calls = {}
-        self._no_grad_calls = 0
-        self._in_training_step = True
-        self._mode = StepMode.UNSTARTED
-        self._recording = None
+        self._batch = MicroBatch(open=True)
 
     def end_step(self) -> None:
         """End of a training micro-batch's forward calls. Warns once when warmup is over and still nothing is
         graphed because no call of this forward could be (:func:`.capture.guards.nothing_graphed`)."""
-        self._in_training_step = False
-        if (self._mode is StepMode.UNSTARTED and not self._nothing_warned and self.capture_due
+        self._batch.open = False
+        if (self._batch.mode is StepMode.UNSTARTED and not self._nothing_warned and self.capture_due
                 and not self.cache.sets and not self.cache.pending):
             self._nothing_warned = True
             warnings.warn(guards.nothing_graphed([layer.name for layer in self.layers], self.options.warmup_steps,
-                                                 self._no_grad_calls), stacklevel=3)
+                                                 self._batch.no_grad_calls), stacklevel=3)
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Called with the loss before the backward of a training micro-batch. In a recorded step: mark the
@@ -238,68 +169,55 @@ class GraphManager:
         next call, so no segment is built across them. At the first backward of a step that replayed a graph set
         (``graphs.direct_grad_ready``): confirm which candidate parameters only their own replay reaches;
         they are reported by the replay from the next step on."""
-        if self._mode is StepMode.RECORD and isinstance(loss, torch.Tensor):
+        if self._batch.mode is StepMode.RECORD and isinstance(loss, torch.Tensor):
             if self.options.segments:  # what any recorded micro-batch showed counts (the capture sees the last)
-                self._segment_ends.update(segment_ends(loss, self._recording.calls))
-            mark_inputs_used_elsewhere(loss, self._recording.calls)
-        elif self._mode is StepMode.REPLAY:
+                self._segment_ends.update(segment_ends(loss, self._batch.recording.calls))
+            mark_inputs_used_elsewhere(loss, self._batch.recording.calls)
+        elif self._batch.mode is StepMode.REPLAY:
             self._replay.before_backward(loss)
 
     @property
     def capture_due(self) -> bool:
         """Warmup is over (the capture happens at the first graphed call of a step from then on)."""
-        start = self._start_step if self._start_step is not None else 0
-        return (self.backend is not None and self._global_step >= start + max(1, self.options.warmup_steps)
-                and self._global_step > self._failures.capture_after)
-
-    def _end_warmup(self) -> None:
-        """Warmup is over: the last warmup record of each lead signature waits for the first micro-batch of its
-        kind, which captures it (:meth:`_start_of_step`), under that micro-batch's own settings (a parameter
-        that ``toggle_optimizer`` froze for one pass of a manual-optimization step stays frozen in its graphs)."""
-        if self._warmup_record is not None:
-            kinds, self._warmup_kinds, self._warmup_record = self._warmup_kinds, [], None
-            for record in reversed(kinds):  # the latest first, as the one captured when nothing else matches
-                if not self.cache.full:
-                    self.cache.pending.append(record)
+        return (self.backend is not None and self.warmup.over(self.options.warmup_steps)
+                and self.warmup.global_step > self._failures.capture_after)
 
     def remove(self) -> None:
         """Restore every layer's original ``forward`` (parts of split layers included) and drop the graphs."""
         self.selection.remove()
         self.cache.clear()
-        self._warmup_record = None
-        self._warmup_kinds = []
+        self.warmup.clear()
         if self.eval_graphs is not None:
             self.eval_graphs.clear()
 
     def _start_of_step(self, args: tuple, kwargs: dict) -> None:
         """At the step's first graphed call: record, capture, pick a graph set, or run eagerly."""
         if all(layer.failure is not None for layer in self.layers):
-            self._mode = StepMode.EAGER  # nothing left to capture
+            self._batch.mode = StepMode.EAGER  # nothing left to capture
             self._failures.report(pending_only=True)  # splits whose parts all run eagerly
             return
-        if self._observers.hooks_added():  # hooks added since: look at the layers again
+        if self._failures.observers.hooks_added():  # hooks added since: look at the layers again
             for layer in list(self.layers):
-                self._refuse_early(layer, at_call=False)
-            self._split_since(self._global_step)  # a split here: this step records again
-        if not self.capture_due or (not self.cache.sets and not self.cache.pending and not self._warmup_record):
-            self._warmup_record = StepRecord(CallSignature(args, kwargs))
-            if not self.multi_pass:  # one kind of micro-batch; others follow shape_policy
-                self._warmup_kinds = []
-            self._warmup_kinds = [r for r in self._warmup_kinds if not r.lead.matches(args, kwargs)]
-            self._warmup_kinds.append(self._warmup_record)
-            self._mode, self._recording = StepMode.RECORD, self._warmup_record
+                self._failures.refuse_early(layer, at_call=False)
+            self._split_since(self.warmup.global_step)  # a split here: this step records again
+        if not self.capture_due or (not self.cache.sets and not self.cache.pending and self.warmup.last is None):
+            self._batch.mode, self._batch.recording = StepMode.RECORD, self.warmup.start(args, kwargs)
             return
-        if self._observers.active():
-            if self.options.capture_error_policy == "split" and self._split_at_active_observers():
-                self._start_of_step(args, kwargs)  # this step records the parts' calls, the next captures
-                return
-            self._mode = StepMode.EAGER  # transformers collects outputs from inside the layers in this step
-            if not self._observers.warned:
-                self._observers.warned = True
+        if self._failures.observers.active():
+            if self.options.capture_error_policy == "split":  # the hooked submodules become graphed parts
+                self._failures.split_at_active_observers()
+                if self._split_since(self.warmup.global_step):
+                    self._start_of_step(args, kwargs)  # this step records the parts' calls, the next captures
+                    return
+            self._batch.mode = StepMode.EAGER  # transformers collects outputs from inside the layers in this step
+            if not self._failures.observers.warned:
+                self._failures.observers.warned = True
                 warnings.warn(guards.observers_active(), stacklevel=4)
             return
-        self._end_warmup()
-        self._mode = StepMode.REPLAY
+        # the kept warmup records wait for the first micro-batch of their kind, captured under its own settings (a
+        # parameter that toggle_optimizer froze for one pass of a manual-optimization step stays frozen in its graphs)
+        self.warmup.hand_over(self.cache)
+        self._batch.mode = StepMode.REPLAY
         replay = self._replay
         replay.graph_set = self.cache.find(args, kwargs)
         if replay.graph_set is not None:
@@ -309,32 +227,14 @@ class GraphManager:
             if self.param_reads is not None:
                 self.param_reads(None)
             replay.graph_set = self._sets.capture(pending, self.grad_ready, self._segment_ends)
-            if self._split_since(self._global_step):  # this step records the parts' calls, the next captures
+            if self._split_since(self.warmup.global_step):  # this step records the parts' calls, the next captures
                 self._start_of_step(args, kwargs)
                 return
             self._failures.report()
             if replay.graph_set is None:
-                self._mode = StepMode.EAGER
+                self._batch.mode = StepMode.EAGER
             return
-        if self.options.shape_policy != "recapture":
-            if self.cache.sets:  # mismatching calls follow the policy (SetReplay)
-                replay.graph_set = self.cache.sets[0]
-            else:
-                self._mode = StepMode.EAGER  # every layer failed to capture, or no recorded kind matches
-                if self.cache.pending and not self._nothing_warned:
-                    self._nothing_warned = True
-                    warnings.warn(guards.unmatched_warmup(self.cache.pending[-1].lead.mismatches(args, kwargs)),
-                                  stacklevel=4)
-            return
-        if not self.cache.full:
-            self._recording = StepRecord(CallSignature(args, kwargs))
-            self.cache.pending.append(self._recording)
-            self._mode = StepMode.RECORD
-        else:
-            self._mode = StepMode.EAGER
-            if not self._cache_full_warned:
-                self._cache_full_warned = True
-                warnings.warn(guards.cache_full(self.cache.limit, describe(CallSignature(args, kwargs))), stacklevel=4)
+        self._batch.mode, self._batch.recording = replay.step_without_set(self.cache, args, kwargs)
 
     # ----------------------------------------------------------------- dispatch
     def _make_dispatch(self, layer: GraphedLayer):
@@ -350,25 +250,23 @@ class GraphManager:
             self.param_reads(layer.module)
         if not self._graphable(layer):
             return self._ungraphed_call(layer, args, kwargs)
-        if self._mode is StepMode.UNSTARTED:
+        if self._batch.mode is StepMode.UNSTARTED:
             self._start_of_step(args, kwargs)
-        if self._mode is StepMode.RECORD:
-            self._refuse_early(layer, at_call=True)
-            if self._split_since(self._global_step + 1):  # the record misses its parts' earlier calls
-                self._mode = StepMode.EAGER
+        if self._batch.mode is StepMode.RECORD:
+            self._failures.refuse_early(layer, at_call=True)
+            if self._split_since(self.warmup.global_step + 1):  # the record misses its parts' earlier calls
+                self._batch.mode = StepMode.EAGER
         if layer.failure is not None:
             self.stats.eager_calls += 1
             return layer.forward(*args, **kwargs)
-        key = id(layer)
-        index = self._calls.get(key, 0)
-        self._calls[key] = index + 1
-        if self._mode is StepMode.RECORD:
-            if self._recording is self._warmup_record:
+        index = self._batch.next_index(layer)
+        if self._batch.mode is StepMode.RECORD:
+            if self._batch.recording is self.warmup.last:
                 self.stats.eager_calls += 1
             else:
                 self.stats.fallback_calls += 1
-            return record_call(self._recording, layer, index, args, kwargs, self.options.segments, self.device)
-        if self._mode is StepMode.EAGER:
+            return record_call(self._batch.recording, layer, index, args, kwargs, self.options.segments, self.device)
+        if self._batch.mode is StepMode.EAGER:
             self.stats.fallback_calls += 1
             return layer.forward(*args, **kwargs)
         return self._replay.call(layer, index, args, kwargs)
@@ -376,16 +274,16 @@ class GraphManager:
     def _graphable(self, layer: GraphedLayer) -> bool:
         if self.backend is None or not layer.module.training or not torch.is_grad_enabled():
             return False
-        if not self._in_training_step and self.open_on_call is not None:
+        if not self._batch.open and self.open_on_call is not None:
             self.open_on_call()
-        return self._in_training_step
+        return self._batch.open
 
     def _ungraphed_call(self, layer: GraphedLayer, args: tuple, kwargs: dict):
         """A call in eval mode, without autograd or outside a training step."""
-        if self._in_training_step and layer.module.training and not torch.is_grad_enabled():
-            self._no_grad_calls += 1
-        if self._mode is StepMode.REPLAY and self._in_training_step:
-            self._replay.refuse_pending_member(layer, self._calls.get(id(layer), 0))
+        if self._batch.open and layer.module.training and not torch.is_grad_enabled():
+            self._batch.no_grad_calls += 1
+        if self._batch.mode is StepMode.REPLAY and self._batch.open:
+            self._replay.refuse_pending_member(layer, self._batch.calls.get(id(layer), 0))
         if (self.options.capture_eval and self.backend is not None and not layer.module.training
                 and not torch.is_grad_enabled()):
             if self.eval_graphs is None:

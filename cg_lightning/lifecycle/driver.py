@@ -105,7 +105,7 @@ class TrainingDriver:
             yield
             return
         manager.open_on_call = lambda: self.begin_micro_batch(step())
-        manager.multi_pass = True
+        manager.warmup.multi_pass = True
         try:
             yield
         finally:

@@ -86,7 +86,7 @@ class GraphedDataParallel(DataParallelEngine):
         graph_options = graph_manager.options if graph_manager is not None else None
         self.driver = TrainingDriver(graph_options, graph_manager, self)
         if graph_manager is not None:  # every forward after a backward opens a pass; a loop may mix kinds (a GAN)
-            graph_manager.multi_pass = True
+            graph_manager.warmup.multi_pass = True
         # the last backward through accelerator.backward completed an optimizer step, and the optimizer has not
         # stepped since (what check_ready_for_step asks for)
         self._step_backward_done = False

@@ -21,11 +21,15 @@ import torch
 import torch.nn as nn
 
 from . import direct_ready
-from ..graph_sets import GraphSet, GraphStats
+from ..capture import guards
+from ..capture.recording import StepRecord
+from ..graph_sets import GraphSet, GraphSetCache, GraphStats, describe
 from ..options import GraphOptions
 from .replay_node import ReplayFunction
 from ..segments import dispatch as segment_calls
 from ..errors import GraphSignatureError
+from ..schedule import StepMode
+from ..signature import CallSignature
 
 
 def _members_match(segment) -> bool:
@@ -62,6 +66,8 @@ class SetReplay:
         #: the manager's ``param_reads`` callback (``GraphManager.bind_param_reads``): called with every member's
         #: module before a segment launches, or ``None``
         self.param_reads = None
+        self._unmatched_warned = False
+        self._cache_full_warned = False
 
     def begin_step(self) -> None:
         """A training micro-batch starts: the parameters confirmed at the last backward are reported by their
@@ -72,6 +78,30 @@ class SetReplay:
         self._direct_switch = []
         self.replayed = set()
         self.graph_set = None
+
+    def step_without_set(self, cache: GraphSetCache, args: tuple,
+                         kwargs: dict) -> Tuple[StepMode, Optional[StepRecord]]:
+        """What a micro-batch after warmup does when its first graphed call (``args``, ``kwargs``) matches no graph
+        set of ``cache`` and none of its pending records. Under a ``shape_policy`` other than ``"recapture"`` it
+        replays the first graph set, whose calls then follow the policy, or runs eagerly when there is none (every
+        layer failed to capture, or no warmup kind matched: warned once). Under ``"recapture"`` it is recorded as
+        a new pending record (returned with ``RECORD``), or runs eagerly when the cache is full (warned once)."""
+        if self.options.shape_policy != "recapture":
+            if cache.sets:
+                self.graph_set = cache.sets[0]
+                return StepMode.REPLAY, None
+            if cache.pending and not self._unmatched_warned:
+                self._unmatched_warned = True
+                warnings.warn(guards.unmatched_warmup(cache.pending[-1].lead.mismatches(args, kwargs)), stacklevel=5)
+            return StepMode.EAGER, None
+        if not cache.full:
+            record = StepRecord(CallSignature(args, kwargs))
+            cache.pending.append(record)
+            return StepMode.RECORD, record
+        if not self._cache_full_warned:
+            self._cache_full_warned = True
+            warnings.warn(guards.cache_full(cache.limit, describe(CallSignature(args, kwargs))), stacklevel=5)
+        return StepMode.EAGER, None
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Before the backward of a step that replays :attr:`graph_set`: confirm direct-ready candidates

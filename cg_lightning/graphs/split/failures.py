@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Set
 
+from .. import observer_hooks
 from ..capture import guards
 from ..graph_sets import GraphSetCache, GraphStats
 from ..options import GraphOptions
@@ -33,6 +34,8 @@ class CaptureFailures:
         self.stats = stats
         self.reselected = False
         self.capture_after = -1  #: steps up to this one record again (a split changed the selection)
+        #: transformers' output hooks inside the layers, noted by :meth:`refuse_early`
+        self.observers = observer_hooks.ObserverWatch()
 
     def take_split(self, last_recording_step: int) -> bool:
         """Whether a layer was split since the last call: then every graph set is dropped (none holds calls of
@@ -44,16 +47,26 @@ class CaptureFailures:
         self.capture_after = max(self.capture_after, last_recording_step)
         return True
 
+    def split_at_active_observers(self) -> None:
+        """Fail every layer with an active observer hook inside (transformers collecting outputs from inside it),
+        so that under ``"split"`` the hooked submodules become graphed parts whose own hooks run around their
+        replays; :attr:`observers` then holds the hooks inside the layers still graphed."""
+        for layer in list(self.selection.layers):
+            if layer.failure is None and observer_hooks.any_active(observer_hooks.observers_inside(layer.module)):
+                self.failed(layer, guards.GraphCaptureError(guards.observer_inside(layer.name)))
+        self.observers.renote(layer.module for layer in self.selection.layers if layer.failure is None)
+
     def refuse_early(self, layer: GraphedLayer, at_call: bool) -> None:
         """What capture would refuse and can be seen before it, refused now: hooks in the layer (at setup, at the
         start of a step after hooks were added, at every recorded call), an enclosing non-reentrant checkpoint
-        (at every recorded call: ``at_call``).
+        (at every recorded call: ``at_call``). Notes the observer hooks inside the layer (:attr:`observers`).
 
         Raises:
             GraphCaptureError: under ``on_capture_error="raise"``, naming the layer and the hooks.
         """
         if layer.failure is not None:
             return
+        self.observers.note(layer.module)
         try:
             guards.refuse_capture_only_hooks(layer.name, layer.module)
         except guards.GraphCaptureError as exc:
