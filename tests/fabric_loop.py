@@ -52,15 +52,35 @@ def _loss(model_name: str, model, batch) -> torch.Tensor:
     return F.mse_loss(model(x), y)
 
 
-def train(strategy: Any, *, model: str = "parity", precision: str = "32-true", steps: int = 6, accumulate: int = 1,
-          clip: Optional[float] = None, devices: int = 1, save: Optional[str] = None, save_at: int = 0,
-          resume: Optional[str] = None, accelerator: str = "cpu",
-          stop: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
-    """Train for ``steps`` optimizer steps of ``accumulate`` micro-batches each; returns the losses (rank 0's), the
-    final parameters, the optimizer state and, under the engine, its graph counters (``stats``)."""
+def train(strategy: Any, *, precision: str = "32-true", devices: int = 1, accelerator: str = "cpu",
+          **run: Any) -> Dict[str, Any]:
+    """Train under a new ``Fabric`` (:func:`run_loop` takes ``run``)."""
     fabric = Fabric(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision)
     if not os.environ.get("LT_CLI_USED"):  # `fabric run` started the processes itself
         fabric.launch()
+    return run_loop(fabric, **run)
+
+
+def _optimizer_state(fabric: Fabric, opt) -> Dict[str, Any]:
+    """``opt``'s state; under ``ddp.distributed_optimizer`` every rank's shard joined into the full state."""
+    from cg_lightning.optim.sharded_state import full_state_dict, is_shard
+
+    state = opt.state_dict()
+    if is_shard(state):
+        shards = [None] * fabric.world_size
+        if fabric.world_size > 1:
+            torch.distributed.all_gather_object(shards, state)
+        else:
+            shards = [state]
+        state = full_state_dict(shards)
+    return {"state": {k: {n: v.cpu() for n, v in s.items()} for k, s in state["state"].items()}}
+
+
+def run_loop(fabric: Fabric, *, model: str = "parity", steps: int = 6, accumulate: int = 1,
+             clip: Optional[float] = None, save: Optional[str] = None, save_at: int = 0, resume: Optional[str] = None,
+             stop: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
+    """Train for ``steps`` optimizer steps of ``accumulate`` micro-batches each; returns the losses (rank 0's), the
+    final parameters, the optimizer state and, under the engine, its graph counters (``stats``)."""
     fabric.seed_everything(0)
     net = _llama() if model == "llama" else make_body("modulelist")
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -94,7 +114,7 @@ def train(strategy: Any, *, model: str = "parity", precision: str = "32-true", s
     result = {
         "losses": torch.stack(losses).cpu(),
         "weights": {n: p.detach().cpu() for n, p in net.named_parameters()},
-        "optimizer": {"state": {k: {n: v.cpu() for n, v in s.items()} for k, s in opt.state_dict()["state"].items()}},
+        "optimizer": _optimizer_state(fabric, opt),
         "scaler": getattr(fabric._precision, "scaler", None) is not None,
         "stats": None if stats is None else {"forward_replays": stats.forward_replays,
                                              "captured_runners": stats.captured_runners},
@@ -119,12 +139,18 @@ if __name__ == "__main__":
     ap.add_argument("--stop-rank", type=int, default=-1)
     ap.add_argument("--stop-step", type=int, default=-1)
     ap.add_argument("--faults", default=None, help="folder for pid, stopped and error files")
+    ap.add_argument("--distributed-optimizer", action="store_true", help="ddp.distributed_optimizer on")
+    ap.add_argument("--save", default=None, help="a checkpoint saved after --save-at steps")
+    ap.add_argument("--save-at", type=int, default=3)
+    ap.add_argument("--then-resume", action="store_true",
+                    help="then train a new model from the checkpoint, in the same processes, into out['resumed']")
     a = ap.parse_args()
     strategy: Any = a.use
     if strategy == "cudagraph_ddp":
         from cg_lightning.fabric import CUDAGraphDDPStrategy
 
-        strategy = CUDAGraphDDPStrategy(graphs={"warmup_steps": 1}, ddp={"timeout_s": a.timeout_s})
+        strategy = CUDAGraphDDPStrategy(graphs={"warmup_steps": 1}, ddp={
+            "timeout_s": a.timeout_s, "distributed_optimizer": a.distributed_optimizer})
 
     def stop(step: int, rank: int) -> None:
         if a.faults is None:
@@ -137,8 +163,13 @@ if __name__ == "__main__":
             os.kill(os.getpid(), signal.SIGSTOP)
 
     try:
-        out = train(strategy, model=a.net, precision=a.amp, accumulate=a.accumulate, clip=a.clip,
-                    devices=a.processes, steps=a.steps, stop=stop)
+        fabric = Fabric(accelerator="cpu", devices=a.processes, strategy=strategy, precision=a.amp)
+        if not os.environ.get("LT_CLI_USED"):  # `fabric run` started the processes itself
+            fabric.launch()
+        loop = dict(model=a.net, accumulate=a.accumulate, clip=a.clip, steps=a.steps)
+        out = run_loop(fabric, **loop, stop=stop, save=a.save, save_at=a.save_at)
+        if a.then_resume:
+            out["resumed"] = run_loop(fabric, **loop, resume=a.save)
     except Exception as exc:
         if a.faults is not None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

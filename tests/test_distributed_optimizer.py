@@ -123,7 +123,7 @@ def test_checkpoint_files(tmp_path):
     """Lightning's side of the files: each rank's shard beside the checkpoint file and a descriptor in it; loaded
     back as this rank's shard (same world size), as every saved shard (another one) or joined into a full state
     (without the distributed optimizer); removed with the checkpoint."""
-    from cg_lightning.trainer.distributed_optimizer import load_shards, remove_shards, save_shards
+    from cg_lightning.optim.sharded_files import load_shards, remove_shards, save_shards
 
     model, engine, opt, sharded = _sharded(torch.float32, False)
     _sharded_step(model, engine, sharded, torch.randn(4, 5))

@@ -135,6 +135,13 @@ def test_settings_the_engine_does_not_serve_are_refused(tmp_path, overrides, mat
         CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg", **overrides), train_dataset=_Tokens(8, 1))
 
 
+def test_the_distributed_optimizer_is_refused(tmp_path):
+    """The Trainer saves the main process's optimizer state only: with each rank's shard that would lose state."""
+    with pytest.raises(ValueError, match="with ddp.distributed_optimizer .*saves the optimizer state of the main"):
+        CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg"), train_dataset=_Tokens(8, 1),
+                         ddp={"distributed_optimizer": True})
+
+
 def test_a_bad_option_is_named(tmp_path):
     with pytest.raises((TypeError, ValueError), match="graphs.warmup_steps"):
         CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg"), train_dataset=_Tokens(8, 1),

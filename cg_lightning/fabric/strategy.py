@@ -22,9 +22,12 @@ changes the strategy string. Method by method, what differs from Fabric's ``DDPS
   ``ddp.timeout_s`` from the first set-up model on, with several processes, and named
   (:class:`~cg_lightning.ddp.PeerLostError`).
 
+``ddp.distributed_optimizer``: the sharded step, clipping by the norm over every rank's shard, checkpoints with
+every rank's shard beside the file (:mod:`.sharded`).
+
 Refused with a message, at construction: ``graphs.whole_step`` and ``graphs.capture_optimizer`` (a Fabric loop is
-the user's own Python: there is no training step to capture whole), ``ddp.distributed_optimizer`` (not built for
-Fabric yet), torch DDP keyword arguments (this engine is not torch DDP).
+the user's own Python: there is no training step to capture whole), torch DDP keyword arguments (this engine is not
+torch DDP).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ..graphs import GraphOptions
 from ..lifecycle import GraphedDataParallel, apply_graphs, loop_backward
 from ..options import as_options
 from ..registration import register_with_fabric
+from .sharded import ShardedOptimizerMixin
 
 _REFUSED_GRAPH_OPTIONS = {
     "whole_step": "a Fabric loop is the script's own Python, with no training step to capture whole",
@@ -67,7 +71,7 @@ class _EngineSyncControl(_BackwardSyncControl):
         return module.no_sync()
 
 
-class CUDAGraphDDPStrategy(DDPStrategy):
+class CUDAGraphDDPStrategy(ShardedOptimizerMixin, DDPStrategy):
     """Fabric's ``DDPStrategy`` with per-layer CUDA graphs and the exact ``main_grad`` engine.
 
     Args:
@@ -80,8 +84,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
 
     Raises:
         TypeError, ValueError: an option of the wrong type or out of range (named, with what is accepted);
-            ``graphs.whole_step``, ``graphs.capture_optimizer`` or ``ddp.distributed_optimizer`` set; torch DDP
-            keyword arguments (``find_unused_parameters=...``: use ``ddp={"find_unused_parameters": True}``).
+            ``graphs.whole_step`` or ``graphs.capture_optimizer`` set; torch DDP keyword arguments (``find_unused_parameters=...``: use ``ddp={"find_unused_parameters": True}``).
     """
 
     def __init__(
@@ -96,9 +99,6 @@ class CUDAGraphDDPStrategy(DDPStrategy):
             if getattr(graph_options, name):
                 raise ValueError(f"cg_lightning: graphs.{name} does not apply under Fabric: {why}. Remove it; the "
                                  "layers are graphed either way.")
-        if ddp_options.distributed_optimizer:
-            raise ValueError("cg_lightning: ddp.distributed_optimizer is not supported under Fabric; use it with "
-                             "Trainer(strategy='cudagraph_ddp') or CUDAGraphAccelerator, or remove it.")
         base = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision",
                 "process_group_backend", "timeout", "start_method"}
         torch_ddp = sorted(set(kwargs) - base)
@@ -173,8 +173,8 @@ class CUDAGraphDDPStrategy(DDPStrategy):
         engines = self._engines_of(optimizer)
         for engine in engines:
             engine.check_ready_for_step()
-        with self._bounded("optimizer step") if engines else contextlib.nullcontext():
-            out = super().optimizer_step(optimizer, **kwargs)
+        with self._bounded("optimizer step") if engines else contextlib.nullcontext(), self._sharded_step(optimizer):
+            out = super().optimizer_step(optimizer, **kwargs)  # ddp.distributed_optimizer: the shard, the all-gather
         for engine in engines:
             engine.after_optimizer_step()
         return out
@@ -225,6 +225,7 @@ class CUDAGraphDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         """Release the engines (graphs and hooks removed; the models train as if never set up), then Fabric's."""
+        self.wait_for_params()
         for engine in self._engines:
             engine.release()
         self._engines = []

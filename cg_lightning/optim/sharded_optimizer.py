@@ -192,13 +192,19 @@ def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of ``optimizers`` (one engine's) by their total norm over every rank's shard, as
     ``torch.nn.utils.clip_grad_norm_`` over all their parameters would: scale by ``max_norm / (norm + 1e-6)`` when
     that is below 1. Each rank takes the norm of its pieces' gradients (``torch.nn.utils.get_total_norm``, in the
     optimizer's parameter order: in one process that is torch's own computation, bit for bit); the ranks' norms are
     combined by one all-reduce. A collective: every rank of the engine's group calls it. Returns the total norm
-    (0-dim tensor on the buffers' device)."""
+    (0-dim tensor on the buffers' device).
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the total norm is ``nan`` or ``inf`` (the gradients are left as they
+            were, as torch's own function does).
+    """
     layout = optimizers[0].layout
     for o in optimizers:
         o.gather.wait_all()
@@ -219,6 +225,9 @@ def clip_grad_norm_(optimizers: Sequence[ShardedOptimizer], max_norm: float, nor
             total = local.float() ** norm_type
             dist.all_reduce(total, group=layout.group)
             total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"cg_lightning: the total norm of order {norm_type} of the gradients is non-finite "
+                           f"({total.item()}), so it cannot be clipped; pass error_if_nonfinite=False to clip anyway.")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef)

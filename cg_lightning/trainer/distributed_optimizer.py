@@ -1,13 +1,9 @@
 """``ddp.distributed_optimizer`` under Lightning: sharded checkpoint files and clipping by the global norm.
 
-Checkpoints. Every rank's ``optimizer.state_dict()`` is its own shard (:mod:`cg_lightning.optim.sharded_state`), so
-``trainer.save_checkpoint(path)`` writes the checkpoint file as usual (rank 0: weights, loops, schedulers) with a
-small descriptor in place of each optimizer's state, and every rank writes its shard to
-``<path>.optim/rank<r>-of-<N>.pt``. Loading reads the shard of this rank when the world size is the one saved, and
-every rank's shard otherwise: the state is then cut to the ranges each rank owns now (any world size). A run
-without the distributed optimizer gets the shards joined into an ordinary full state
-(:func:`~cg_lightning.optim.sharded_state.full_state_dict`); :func:`consolidate` does that offline, for Lightning's
-``"ddp"`` or any other strategy.
+Checkpoints. ``trainer.save_checkpoint(path)`` writes the checkpoint file as usual (rank 0: weights, loops,
+schedulers) with a small descriptor in place of each optimizer's state, and every rank writes its shard beside it
+(:mod:`cg_lightning.optim.sharded_files`, which also joins them for a run without the distributed optimizer;
+:func:`consolidate` does that offline, for Lightning's ``"ddp"`` or any other strategy).
 
 Parameters. With ``ddp.overlap_param_gather`` (the default) the parameters' all-gather after a step runs on into the
 next forward, each bucket waited for before its first use (:mod:`cg_lightning.ddp.param_gather`). The strategy
@@ -25,94 +21,14 @@ replaced (while the strategy is set up) by one that takes the norm over every ra
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
-import torch
 from typing_extensions import override
 
+from ..optim.sharded_files import consolidate, load_shards, remove_shards, save_shards
 from ..optim.sharded_optimizer import clip_grad_norm_
-from ..optim.sharded_state import full_state_dict, is_shard
 
-#: the descriptor key that stands for an optimizer's state in the checkpoint file
-FILES_KEY = "sharded_optimizer_files"
-
-
-def shard_dir(filepath: str) -> str:
-    """The folder beside the checkpoint file ``filepath`` that holds the ranks' optimizer shards."""
-    return f"{filepath}.optim"
-
-
-def shard_file(filepath: str, rank: int, world_size: int) -> str:
-    return os.path.join(shard_dir(filepath), f"rank{rank}-of-{world_size}.pt")
-
-
-def save_shards(checkpoint: Dict[str, Any], filepath: str, rank: int, world_size: int,
-                save: Callable[[Dict[str, Any], str], None]) -> Dict[str, Any]:
-    """Write this rank's optimizer shards with ``save(obj, path)``; return ``checkpoint`` with descriptors in their
-    place (unchanged when it holds no shard)."""
-    states = checkpoint.get("optimizer_states")
-    if not states or not any(is_shard(s) for s in states):
-        return checkpoint
-    if "://" not in str(filepath):  # a local path (a remote one is left to the saver)
-        os.makedirs(shard_dir(str(filepath)), exist_ok=True)
-    save({"optimizer_states": states}, shard_file(str(filepath), rank, world_size))
-    descriptor = {FILES_KEY: {"world_size": world_size, "folder": os.path.basename(shard_dir(str(filepath)))}}
-    return {**checkpoint, "optimizer_states": [descriptor if is_shard(s) else s for s in states]}
-
-
-def load_shards(checkpoint: Dict[str, Any], filepath: str, rank: int, world_size: int, sharded: bool,
-                load: Callable[[str], Dict[str, Any]]) -> Dict[str, Any]:
-    """``checkpoint`` (read from ``filepath``) with each descriptor replaced by optimizer state read with
-    ``load(path)``: the saved shard of this rank (``sharded`` and the same world size), the list of every saved
-    rank's shard (``sharded``, another world size), or their join into a full state (not ``sharded``).
-
-    Raises:
-        FileNotFoundError: a shard file is missing (copy the ``.optim`` folder with the checkpoint file).
-    """
-    states = checkpoint.get("optimizer_states") or []
-    descriptors = [s[FILES_KEY] for s in states if isinstance(s, dict) and FILES_KEY in s]
-    if not descriptors:
-        return checkpoint
-    saved = descriptors[0]["world_size"]
-    folder = os.path.join(os.path.dirname(str(filepath)), descriptors[0]["folder"])
-    ranks = [rank] if sharded and saved == world_size else range(saved)
-    files: List[List[Any]] = []
-    for r in ranks:
-        path = os.path.join(folder, f"rank{r}-of-{saved}.pt")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"cg_lightning: the optimizer shard {path} of checkpoint {filepath} is missing: a "
-                                    "checkpoint saved with ddp.distributed_optimizer keeps every rank's optimizer "
-                                    "state in the '.optim' folder beside it")
-        files.append(load(path)["optimizer_states"])
-    out = []
-    for i, state in enumerate(states):
-        if not (isinstance(state, dict) and FILES_KEY in state):
-            out.append(state)
-        elif not sharded:
-            out.append(full_state_dict([f[i] for f in files]))
-        else:
-            out.append(files[0][i] if len(files) == 1 and saved == world_size else [f[i] for f in files])
-    return {**checkpoint, "optimizer_states": out}
-
-
-def consolidate(filepath: str) -> Dict[str, Any]:
-    """The checkpoint at ``filepath`` with every rank's optimizer shards joined into ordinary full optimizer states:
-    save it with ``torch.save`` to resume under a strategy without ``ddp.distributed_optimizer`` (CPU, offline)."""
-    checkpoint = torch.load(filepath, map_location="cpu", weights_only=False)
-    return load_shards(checkpoint, filepath, 0, 1, False,
-                       lambda path: torch.load(path, map_location="cpu", weights_only=False))
-
-
-def remove_shards(filepath: str, rank: int, world_size: int, remove: Callable[[str], None]) -> None:
-    """Remove this rank's shard of the checkpoint ``filepath`` (and the folder, once empty) if there is one."""
-    path = shard_file(str(filepath), rank, world_size)
-    if os.path.exists(path):
-        remove(path)
-    try:
-        os.rmdir(shard_dir(str(filepath)))
-    except OSError:  # other ranks' shards still there, or no folder
-        pass
-
+__all__ = ["DistributedOptimizerMixin", "GlobalNormClipping", "consolidate"]
 
 class GlobalNormClipping:
     """Replaces ``precision_plugin.clip_grad_by_norm`` (an instance attribute) with clipping by the norm over every

@@ -20,7 +20,8 @@ pointing at a factory of this accelerator, for the call only.
 
 Refused, with the setting named: DeepSpeed and FSDP (their own engines), ``torch.compile`` (``torch_compile``),
 several GPUs in one process (``nn.DataParallel``: launch one process per GPU with ``torchrun`` or ``accelerate
-launch``), and what ``CUDAGraphAccelerator`` refuses.
+launch``), ``ddp.distributed_optimizer`` (the Trainer saves the main process's optimizer state only), and what
+``CUDAGraphAccelerator`` refuses.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class CUDAGraphTrainer(transformers.Trainer):
 
     Raises:
         TypeError, ValueError: an option of the wrong type or out of range (named); a set-up the engine does not
-            serve (DeepSpeed, FSDP, ``torch_compile``, ``ddp_static_graph``, several GPUs in one process).
+            serve (DeepSpeed, FSDP, ``torch_compile``, ``ddp_static_graph``, several GPUs in one process,
+            ``ddp.distributed_optimizer``).
     """
 
     def __init__(self, *args: Any, graphs: Union[GraphOptions, Dict[str, Any], None] = None,
@@ -89,6 +91,10 @@ class CUDAGraphTrainer(transformers.Trainer):
             problems.append("torch_compile (compile the model yourself before the Trainer instead)")
         if getattr(a, "ddp_static_graph", None):
             problems.append("ddp_static_graph (a torch DDP setting without a counterpart in this engine)")
+        if self.ddp_options.distributed_optimizer:
+            problems.append("with ddp.distributed_optimizer (the Trainer saves the optimizer state of the main "
+                            "process only, where each rank holds its own shard: use it with the Lightning Trainer, "
+                            "Fabric or CUDAGraphAccelerator)")
         if a.n_gpu > 1:
             problems.append(f"{a.n_gpu} GPUs in one process (nn.DataParallel: launch one process per GPU with "
                             "torchrun or accelerate launch)")
