@@ -110,6 +110,35 @@ def fit_hf(strategy, build: Callable, steps: int = 6, *, seed: int = 0, callback
     return module, trainer
 
 
+class TokenDataset(torch.utils.data.Dataset):
+    """``n`` rows of ``seq`` random token ids (seeded), as ``transformers.Trainer`` takes them: ``{"input_ids",
+    "labels"}`` (the model's own causal-LM loss)."""
+
+    def __init__(self, n: int, seed: int, seq: int = SEQ) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer_args(folder: str, **overrides) -> "transformers.TrainingArguments":
+    """``TrainingArguments`` of the ``transformers.Trainer`` runs: 6 steps of 2 micro-batches of 4, clipping at 0.5,
+    a loss logged every step, evaluation and a checkpoint every 3 steps, on the CPU, seeded; ``overrides`` win."""
+    kw = dict(output_dir=folder, max_steps=6, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+              gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=3e-3, logging_steps=1,
+              eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3, report_to=[], use_cpu=True,
+              seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    return transformers.TrainingArguments(**{**kw, **overrides})
+
+
+def logged(trainer) -> list:
+    """``(step, value)`` of every loss, evaluation loss and gradient norm a ``transformers.Trainer`` logged."""
+    return [(e["step"], e[k]) for e in trainer.state.log_history for k in ("loss", "eval_loss", "grad_norm") if k in e]
+
+
 def assert_same_weights(got: torch.nn.Module, ref: torch.nn.Module) -> None:
     """Every parameter bit-equal (names the first that differs)."""
     for (name, p), q in zip(got.named_parameters(), ref.parameters()):

@@ -13,26 +13,11 @@ transformers = pytest.importorskip("transformers")
 
 from cg_lightning.accelerate import CUDAGraphAccelerator  # noqa: E402
 from cg_lightning.transformers import CUDAGraphTrainer  # noqa: E402
-
-VOCAB, SEQ = 64, 16
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
+from tests.hf_models import TokenDataset, logged, tiny_llama, trainer_args  # noqa: E402
 
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, use_cache=False, attn_implementation="eager"))
+    return tiny_llama(attn_implementation="eager")
 
 
 @pytest.fixture(autouse=True)
@@ -41,12 +26,7 @@ def _one_process(fresh_accelerate_state):
 
 
 def _args(tmp_path, name: str, **overrides) -> "transformers.TrainingArguments":
-    kw = dict(output_dir=str(tmp_path / name), max_steps=6, per_device_train_batch_size=4,
-              per_device_eval_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=3e-3,
-              logging_steps=1, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3,
-              report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    kw.update(overrides)
-    return transformers.TrainingArguments(**kw)
+    return trainer_args(str(tmp_path / name), **overrides)
 
 
 class _StopAt(transformers.TrainerCallback):
@@ -65,18 +45,14 @@ def _fit(cls, tmp_path, name: str, resume=None, stop_at=None, **overrides):
     AcceleratorState._reset_state(True)
     extra = {"graphs": {"warmup_steps": 1}} if cls is CUDAGraphTrainer else {}
     callbacks = [_StopAt(stop_at)] if stop_at else None
-    trainer = cls(model=_llama(), args=_args(tmp_path, name, **overrides), train_dataset=_Tokens(64, 1),
-                  eval_dataset=_Tokens(16, 2), callbacks=callbacks, **extra)
+    trainer = cls(model=_llama(), args=_args(tmp_path, name, **overrides), train_dataset=TokenDataset(64, 1),
+                  eval_dataset=TokenDataset(16, 2), callbacks=callbacks, **extra)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
-def _losses(trainer):
-    return [(e["step"], e[k]) for e in trainer.state.log_history for k in ("loss", "eval_loss", "grad_norm") if k in e]
-
-
 def _assert_same(got, ref):
-    assert _losses(got) == _losses(ref)
+    assert logged(got) == logged(ref)
     for (name, p), q in zip(got.model.named_parameters(), ref.model.parameters()):
         assert torch.equal(p, q), f"{name}: max abs diff {(p - q).abs().max().item():.3g}"
 
@@ -100,7 +76,7 @@ def test_the_layers_are_graphed_and_replayed(tmp_path):
             seen[state.global_step] = engines[0].graph_stats.forward_replays if engines else None
 
     trainer = CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg", eval_strategy="no"),
-                               train_dataset=_Tokens(64, 1), graphs={"warmup_steps": 1}, callbacks=[Probe()])
+                               train_dataset=TokenDataset(64, 1), graphs={"warmup_steps": 1}, callbacks=[Probe()])
     trainer.train()
     assert seen[1] == 0 and seen[6] > seen[3] > 0, seen  # 3 decoder layers replayed from the second step on
 
@@ -118,12 +94,32 @@ def test_resume_from_a_checkpoint_equals_the_run_that_did_not_stop(tmp_path):
 def test_training_arguments_ddp_settings_become_the_engine_options(tmp_path):
     trainer = CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg", ddp_bucket_cap_mb=7, eval_strategy="no",
                                                          ddp_find_unused_parameters=False),
-                               train_dataset=_Tokens(8, 1), ddp={"timeout_s": 60})
+                               train_dataset=TokenDataset(8, 1), ddp={"timeout_s": 60})
     opts = trainer.accelerator.ddp_options
     assert (opts.bucket_size_mb, opts.find_unused_parameters, opts.timeout_s) == (7, False, 60)
     given = CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg2", ddp_bucket_cap_mb=7, eval_strategy="no"),
-                             train_dataset=_Tokens(8, 1), ddp={"bucket_size_mb": 3})
+                             train_dataset=TokenDataset(8, 1), ddp={"bucket_size_mb": 3})
     assert given.accelerator.ddp_options.bucket_size_mb == 3  # ddp= wins over TrainingArguments
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_two_processes_equal_the_plain_trainer(tmp_path, bf16):
+    """Under torchrun's environment on 2 processes (gloo): every rank's logged losses, evaluation losses, gradient
+    norms and final weights equal the plain ``transformers.Trainer``'s (torch DDP) bit for bit, the layers replayed."""
+    from tests.launchers import run_ranks
+
+    run_ranks("tests/scripts/hf_trainer_dist.py", [(["--out", str(tmp_path), *(["--bf16"] if bf16 else [])], 2)],
+              str(tmp_path), timeout=240)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        ref, got = res["Trainer"], res["CUDAGraphTrainer"]
+        assert ref["world_size"] == got["world_size"] == 2
+        assert got["logged"] == ref["logged"] and any(v for _, v in ref["logged"]), rank
+        for name, p in ref["weights"].items():
+            assert torch.equal(got["weights"][name], p), f"rank {rank}: {name}"
+        assert got["forward_replays"] > 0, got["forward_replays"]
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -132,19 +128,19 @@ def test_training_arguments_ddp_settings_become_the_engine_options(tmp_path):
 ])
 def test_settings_the_engine_does_not_serve_are_refused(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=f"CUDAGraphTrainer does not support TrainingArguments {match}"):
-        CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg", **overrides), train_dataset=_Tokens(8, 1))
+        CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg", **overrides), train_dataset=TokenDataset(8, 1))
 
 
 def test_the_distributed_optimizer_is_refused(tmp_path):
     """The Trainer saves the main process's optimizer state only: with each rank's shard that would lose state."""
     with pytest.raises(ValueError, match="with ddp.distributed_optimizer .*saves the optimizer state of the main"):
-        CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg"), train_dataset=_Tokens(8, 1),
+        CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg"), train_dataset=TokenDataset(8, 1),
                          ddp={"distributed_optimizer": True})
 
 
 def test_a_bad_option_is_named(tmp_path):
     with pytest.raises((TypeError, ValueError), match="graphs.warmup_steps"):
-        CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg"), train_dataset=_Tokens(8, 1),
+        CUDAGraphTrainer(model=_llama(), args=_args(tmp_path, "cg"), train_dataset=TokenDataset(8, 1),
                          graphs={"warmup_steps": -1})
 
 
