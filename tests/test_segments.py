@@ -85,7 +85,7 @@ class _Chain(LightningModule):
                  late=None) -> None:
         super().__init__()
         self.late = late  # from two steps after capture on, what happens to block 1's output (see _late)
-        drop = 0.2 if rng_between or grad_hook or late in ("rng", "subeval") else 0.0
+        drop = 0.2 if rng_between or grad_hook or late in ("rng", "subeval", "anneal") else 0.0
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(drop), nn.Linear(32, 16))
                                     for _ in range(4))
         self.head = nn.Linear(16, 1)
@@ -150,6 +150,10 @@ def _late(module, x):
         module.blocks[2].eval()
     if module.late == "subeval":  # only block 2's dropout switched to eval (the graph would still drop)
         module.blocks[2][2].eval()
+    if module.late == "anneal":  # block 2's dropout probability lowered (the graph would still drop at 0.2)
+        module.blocks[2][2].p = 0.1
+    if module.late == "swap":  # block 2's activation replaced (the graph would still run GELU)
+        module.blocks[2][1] = nn.Tanh()
     return x
 
 
@@ -253,6 +257,8 @@ def test_blocks_chained_into_a_segment_share_one_autograd_node():
     ("clamp", r"'blocks\.2' .* parameters was changed in place after the segment's graphs ran this layer"),
     ("eval", r"'blocks\.2' .* already ran it for this pass, but it was called in eval mode"),
     ("subeval", r"(?s)'blocks\.2' .*train/eval mode changed since capture for submodule\(s\) \['2'\]"),
+    ("anneal", r"(?s)'blocks\.2' .*attribute\(s\) changed since capture.*: 2\.p: 0\.2 -> 0\.1"),
+    ("swap", r"(?s)'blocks\.2' .*since capture: submodule\(s\) \['1'\] replaced or removed"),
 ])
 def test_what_the_one_node_cannot_honour_after_capture_is_an_error_naming_the_layer(late, match):
     """From two steps after capture: block 1's output detached or viewed before block 2 (the one node would
@@ -260,7 +266,8 @@ def test_what_the_one_node_cannot_honour_after_capture_is_an_error_naming_the_la
     on it, or a read-only gradient hook registered on it after block 2 ran (no gradient reaches it outside the
     graph, so neither would ever see one); a random draw between blocks whose dropout draws (the segment made
     all the blocks' draws at its first call); block 2's weight clamped in place right before its call (the
-    segment already ran block 2); block 2 called in eval mode, or only its dropout. Each is ``SegmentError``
+    segment already ran block 2); block 2 called in eval mode, or only its dropout; block 2's dropout probability
+    lowered, or its activation replaced by another module (the graph holds the old ones). Each is ``SegmentError``
     naming the layer, never a silent difference (the next test: the draw, the clamp and the eval calls train
     like "ddp" with graphs.segments=false)."""
     with pytest.raises(SegmentError, match=match):
@@ -276,17 +283,19 @@ def test_freezing_a_segment_member_after_capture_runs_the_segment_eagerly():
             _chain_fit("cg", 8, late="freeze")
 
 
-@pytest.mark.parametrize("late", ["rng", "clamp", "eval", "subeval"])
+@pytest.mark.parametrize("late", ["rng", "clamp", "eval", "subeval", "anneal", "swap"])
 def test_what_segments_refuse_trains_like_ddp_with_per_layer_graphs(late):
     """The cases above that per-layer graphs handle: with graphs.segments=false, training equals "ddp"
     (CPU, eager backend: identical; 1e-6 bound). ``subeval``: the call whose dropout was switched to eval no
-    longer matches its capture and runs eagerly (shape policy "eager", one warning)."""
+    longer matches its capture and runs eagerly (shape policy "eager", one warning), as does the call whose dropout
+    probability was lowered or whose activation was replaced."""
     steps = 8
     ref_model, ref, _, _ = _chain_fit("ddp", steps, late=late)
     model, rec, trainer, _ = _chain_fit("cg", steps, segments=False, late=late)
     assert max_rel_diff(rec.losses, ref.losses) < 1e-6
     assert state_rel_diff(model.state_dict(), ref_model.state_dict()) < 1e-6
-    if late == "subeval":  # the eager backend would replay the current mode anyway: the fallback is what counts
+    if late in ("subeval", "anneal", "swap"):  # the eager backend would replay the current module anyway: the
+        # fallback is what counts
         assert trainer.strategy.last_graph_stats.fallback_calls >= steps - (WARMUP + 2)
 
 

@@ -100,10 +100,26 @@ class _DropoutToEval(Callback):
             pl_module.body.blocks[1].drop.eval()
 
 
+class _AnnealsDropout(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 5:
+            pl_module.body.blocks[1].drop.p = 0.05
+
+
+class _ReplacesDropout(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 5:
+            pl_module.body.blocks[1].drop = torch.nn.Identity()
+
+
 @pytest.mark.parametrize("callback, reason", [
     (_SetsScale, "self.scale: 1.0 -> 0.5 after the step was captured"),
-    (_Freezes, "parameter 'body.blocks.0.fc.weight' was frozen after the step was captured"),
-    (_DropoutToEval, "module 'body.blocks.1.drop' was switched to eval mode after the step was captured"),
+    (_Freezes, "requires_grad changed since capture for parameter(s) ['body.blocks.0.fc.weight', "
+               "'body.blocks.0.fc.bias'] (toggle_optimizer or freezing)"),
+    (_DropoutToEval, "train/eval mode changed since capture for submodule(s) ['body.blocks.1.drop']"),
+    (_AnnealsDropout, "attribute(s) changed since capture, which the captured kernels hold as constants: "
+                      "body.blocks.1.drop.p: 0.1 -> 0.05"),
+    (_ReplacesDropout, "since capture: submodule(s) ['body.blocks.1.drop'] replaced or removed"),
 ])
 def test_a_change_the_replay_relies_on_hands_the_run_to_per_layer_graphs_and_still_equals_ddp(callback, reason):
     def model():

@@ -155,10 +155,12 @@ class LightningWholeStep:
         batch, rest = args[0], args[1:]
         graphs = self.graphs
         if self.guards is not None:
-            changed = self.guards.changed() or (self.code.changed(self._watched_values)
-                                                if self.code is not None else None)
+            changed = self.guards.changed()  # says "since capture" itself
+            if changed is None and self.code is not None:
+                changed = self.code.changed(self._watched_values)
+                changed = changed and f"{changed} after the step was captured"
             if changed is not None:
-                self.give_up(f"{changed} after the step was captured")
+                self.give_up(changed)
                 return False, None
         graph = graphs.find(batch)
         if graph is None:

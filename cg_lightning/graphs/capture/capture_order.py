@@ -78,6 +78,8 @@ def capture_in_order(
                 run(real[i], real[i].capture_backward)
                 if reuse_buffers:
                     release_param_grad_outputs(real[i])
+    for r in real:  # attributes the warmup and capture runs set (a lazily made flag) are the captured ones
+        r.settings.snapshot_attributes()
 
 
 def _sum_shared_params_through_autograd(runners: Sequence) -> None:

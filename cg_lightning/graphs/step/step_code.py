@@ -7,8 +7,8 @@ where ``x`` is a property or method of the training framework (``global_step``, 
 mutable object, or cannot be resolved; an assignment to any attribute; a global or closure variable that is not
 a constant, torch code or a plain function (read the same way, :data:`MAX_DEPTH` calls deep); builtins outside
 :data:`SAFE_BUILTINS` (``print``, ``getattr``); imports of anything but :data:`SAFE_MODULES`; ``self`` handed to
-another function. Submodules, parameters and buffers are allowed (the front-end compares their modes and
-``requires_grad`` before each replay, :class:`.whole_step.StepGuards`); numbers, strings, small containers of them
+another function. Submodules, parameters and buffers are allowed (the front-end compares their structure, modes,
+scalar attributes and ``requires_grad`` before each replay, :class:`.whole_step.StepGuards`); numbers, strings, small containers of them
 and tensors held by ``self`` are *watched* (:mod:`.watched`). A submodule's ``forward`` is not read: as for
 per-layer graphs, the model's own code is checked at capture (host reads, hooks) and by its modes.
 

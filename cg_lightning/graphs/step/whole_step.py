@@ -29,8 +29,9 @@ eager backend then makes the same two runs. Otherwise code takes the path it tak
 backend it is told a stream captures) and host reads are refused. On the eager backend a replay calls the step
 function again (CPU tests of the bookkeeping).
 
-What a replay relies on besides the batch is compared before it by :class:`StepGuards`: every submodule's
-train/eval mode and every parameter's ``requires_grad``, as at capture.
+What a replay relies on besides the batch is compared before it by :class:`StepGuards`: the submodules, parameters
+and buffers the model holds, every submodule's train/eval mode and scalar attributes, every parameter's
+``requires_grad``, as at capture (:mod:`..module_state`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ... import torch_compat
 from ..capture.capture_order import TrainingStateSnapshot
 from .capture_reads import answer_reads, capture_seen_by_code, record_reads
 from ..capture.host_sync import refuse_host_sync
+from ..module_state import ModuleState
 from ..signature import CallSignature
 
 
@@ -80,26 +82,16 @@ class StepGraph:
 
 
 class StepGuards:
-    """The train/eval mode of every submodule of ``module`` and the ``requires_grad`` of every parameter, as now;
-    :meth:`changed` says which differs later (a callback that freezes a backbone or switches a dropout to eval)."""
+    """The :class:`~..module_state.ModuleState` of ``module`` (the LightningModule) as now, its own attributes left to
+    the training step's code check; :meth:`changed` says what differs later (a callback that freezes a backbone,
+    switches a dropout to eval, anneals a dropout's ``p`` or replaces a submodule)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.modules = list(module.named_modules())
-        self.params = list(module.named_parameters())
-        self.modes = [m.training for _, m in self.modules]
-        self.grads = [p.requires_grad for _, p in self.params]
+        self.state = ModuleState(module, root_attributes=False)
 
     def changed(self) -> Optional[str]:
         """``None`` when all are as at construction; else the first difference, in words."""
-        if [m.training for _, m in self.modules] == self.modes and [p.requires_grad for _, p in self.params] == self.grads:
-            return None
-        for (name, m), mode in zip(self.modules, self.modes):
-            if m.training != mode:
-                return f"module {name or type(m).__name__!r} was switched to {'train' if m.training else 'eval'} mode"
-        for (name, p), grad in zip(self.params, self.grads):
-            if p.requires_grad != grad:
-                return f"parameter {name!r} was {'unfrozen' if p.requires_grad else 'frozen'}"
-        return None
+        return self.state.first_change()
 
 
 @dataclass
