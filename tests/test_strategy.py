@@ -5,8 +5,8 @@ import torch
 from lightning.pytorch import Callback
 
 import cg_lightning
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests.helpers import cg_strategy, make_trainer, max_rel_diff, state_rel_diff, train_in_process, train_subprocess
 
 
