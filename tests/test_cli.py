@@ -120,7 +120,29 @@ def test_gpt_small_multigpu_values(capsys):
     assert cfg["trainer"]["precision"] == "bf16-mixed" and cfg["data"]["init_args"]["drop_last"] is True
     assert cfg["trainer"]["strategy"]["init_args"]["ddp"]["bucket_size_mb"] == 25
     assert [c["class_path"].rsplit(".", 1)[1] for c in cfg["trainer"]["callbacks"]] == ["GraphMonitor",
-                                                                                      "LearningRateMonitor"]
+                                                                                      "LearningRateMonitor",
+                                                                                      "ModelCheckpoint"]
+
+
+def test_a_run_shorter_than_val_check_interval_ends_with_a_checkpoint(tmp_path):
+    """The shipped configs validate every val_check_interval steps; a run that stops before the first validation
+    (or between two) still leaves the checkpoint of its last step, as a run ending on a validation does."""
+    root = tmp_path / "runs"
+    assert main(["fit", "--config", shipped_config("gpt_tiny"), "--trainer.max_steps=2",
+                 "--data.init_args.max_bytes=200000", f"--trainer.default_root_dir={root}",
+                 "--trainer.enable_progress_bar=false"]) == 0
+    saved = sorted(root.glob("lightning_logs/version_0/checkpoints/*.ckpt"))
+    assert [p.name for p in saved] == ["epoch=0-step=2.ckpt"]
+    assert torch.load(saved[0], weights_only=False)["global_step"] == 2
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_configs_checkpoint_at_the_end_of_each_run(path: Path, capsys):
+    """Every shipped config saves its checkpoint at the end of the run (Lightning's default saves only after a
+    validation, so a run that ends between two validations would lose its last steps)."""
+    checkpoints = [c for c in printed(capsys, "fit", "--config", str(path))["trainer"]["callbacks"] or []
+                   if c["class_path"] == "lightning.pytorch.callbacks.ModelCheckpoint"]
+    assert [c["init_args"]["save_on_train_epoch_end"] for c in checkpoints] == [True]
 
 
 # ----------------------------------------------------------------------------------- merging and interpolation

@@ -336,4 +336,5 @@ def test_installed_wheel_runs_the_main_job_from_another_directory(wheel, tmp_pat
     fit = run("-m", "cg_lightning", "fit", "--config", config, "--trainer.max_steps=2",
               "--data.init_args.max_bytes=200000", "--trainer.enable_progress_bar=false")
     assert fit.returncode == 0, fit.stdout[-2000:] + fit.stderr[-4000:]
-    assert (tmp_path / "runs" / "lightning_logs" / "version_0" / "config.yaml").is_file()
+    run_dir = tmp_path / "runs" / "lightning_logs" / "version_0"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").is_file()
