@@ -3,6 +3,7 @@ interpolation, ``--print_config``; in-process (CPU, fast). Error messages: tests
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -178,6 +179,18 @@ def test_strategy_options_reach_the_strategy(base):
     strategy = built.trainer.strategy
     assert isinstance(strategy, cg_lightning.CUDAGraphDDPStrategy)
     assert strategy.graph_options == GraphOptions(warmup_steps=3) and strategy.ddp_options == DDPOptions(bucket_size_mb=4)
+
+
+def test_print_config_shows_the_strategy_options_it_runs_with(base, capsys):
+    """A section of the strategy that a config leaves out prints as the defaults the strategy then runs with (not
+    ``null``), and what a config sets is printed over them."""
+    cfg = printed(capsys, "fit", "--config", base, "--trainer.strategy={class_path: cg_lightning.CUDAGraphDDPStrategy}")
+    options = cfg["trainer"]["strategy"]["init_args"]
+    assert options["ddp"] == dataclasses.asdict(DDPOptions())
+    assert options["graphs"] == dataclasses.asdict(GraphOptions())
+    options = printed(capsys, "fit", "--config", shipped_config("gpt_tiny"))["trainer"]["strategy"]["init_args"]
+    assert options["ddp"] == dataclasses.asdict(DDPOptions())
+    assert options["graphs"] == dataclasses.asdict(GraphOptions(backend="auto", warmup_steps=2))
 
 
 def test_default_strategy_is_cudagraph_ddp(tmp_path, capsys):
