@@ -78,7 +78,8 @@ def parse_args(argv=None):
     ap.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are visible")
     ap.add_argument("--log-every", type=int, default=None, help="print the loss every N steps "
                     "(default: trainer.log_every_n_steps)")
-    ap.add_argument("--out", default=None, help="rank 0 saves losses, final weights and graph counters here")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="rank 0 saves losses, final weights and graph counters to this file (torch.save)")
     ap.add_argument("--checkpoint-dir", default=None, help="on SIGTERM save the state here and exit with 143; "
                     "resume from it when it holds a state (not with --eager)")
     args, config_args = ap.parse_known_args(argv)

@@ -316,6 +316,15 @@ def test_torch_compile_refused_at_prepare(fresh_accelerate_state):
         accelerator.prepare(torch.nn.Linear(2, 2))
 
 
+def test_help_names_the_file_out_writes(capsys):
+    from examples.train_accelerate import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--out FILE rank 0 saves losses, final weights and graph counters to this file (torch.save)" in text
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["--trainer.max_step=5"], "error: command line: trainer.max_step: unknown key (did you mean 'max_steps'?)"),
     (["--model.init_args.n_layr=2"], "error: command line: model.init_args.n_layr: unknown key (did you mean "
