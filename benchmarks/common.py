@@ -34,7 +34,7 @@ SIZES: Dict[str, Dict[str, int]] = {
 SMOKE_SIZE_NAME = "tiny_smoke"
 SMOKE_SIZE: Dict[str, int] = dict(d_model=32, n_layer=2, n_head=2, block_size=16, batch_size=2)
 
-VOCAB_SIZE = 50304  # GPT-2's 50257 rounded up to a multiple of 128; examples.gpt.GPT takes any vocab_size
+VOCAB_SIZE = 50304  # GPT-2's 50257 rounded up to a multiple of 128; cg_lightning.examples.gpt.GPT takes any vocab_size
 SMOKE_VOCAB_SIZE = 512
 
 
@@ -66,7 +66,7 @@ class RunSettings:
         return self.warmup + self.steps * self.repeats
 
     def gpt_kwargs(self) -> Dict[str, Any]:
-        """Arguments of ``examples.gpt.GPT`` (and of ``GPTLightningModule``) for this size."""
+        """Arguments of ``cg_lightning.examples.gpt.GPT`` (and of ``GPTLightningModule``) for this size."""
         s = self.size
         return dict(
             vocab_size=self.vocab_size, block_size=s["block_size"], n_layer=s["n_layer"], n_head=s["n_head"],
@@ -92,8 +92,8 @@ class PeerResult:
 def make_batches(s: RunSettings) -> List[Batch]:
     """``data_batches`` distinct ``(x, y)`` pairs of random token ids on the CPU, fixed seed.
 
-    ``y`` is ``x`` shifted left by one token, as in ``examples.data``. On a GPU run the tensors are pinned, so
-    every peer's host-to-device copy (``non_blocking=True``, as Lightning does) is asynchronous.
+    ``y`` is ``x`` shifted left by one token, as in ``cg_lightning.examples.data``. On a GPU run the tensors are
+    pinned, so every peer's host-to-device copy (``non_blocking=True``, as Lightning does) is asynchronous.
     """
     B, T = s.size["batch_size"], s.size["block_size"]
     gen = torch.Generator().manual_seed(s.seed)

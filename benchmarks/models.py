@@ -56,7 +56,7 @@ class LlamaLM(nn.Module):
 def build(model: str, size: Dict[str, int], vocab_size: int) -> nn.Module:
     """The ``model`` (one of :data:`MODELS`) of ``size`` (``common.SIZES``), in fp32 on the CPU."""
     if model == "gpt":
-        from examples.gpt import GPT
+        from cg_lightning.examples.gpt import GPT
 
         return GPT(vocab_size=vocab_size, block_size=size["block_size"], n_layer=size["n_layer"],
                    n_head=size["n_head"], d_model=size["d_model"], dropout=0.0, bias=True, tie_weights=False)

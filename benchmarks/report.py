@@ -17,7 +17,8 @@ BASELINE = "lightning_ddp"
 LIMIT = "whole_step_graph"
 #: how the Markdown report names each model of ``benchmarks.models``
 MODEL_TEXT = {"gpt": "the example GPT", "llama": "a transformers Llama"}
-MODEL_CODE = {"gpt": "`examples.gpt.GPT`", "llama": "`transformers.LlamaForCausalLM` (`benchmarks.models.LlamaLM`)"}
+MODEL_CODE = {"gpt": "`cg_lightning.examples.gpt.GPT`",
+              "llama": "`transformers.LlamaForCausalLM` (`benchmarks.models.LlamaLM`)"}
 COMPILED = "compile_reduce_overhead"  #: the peer a user compares with first: torch.compile's own CUDA graphs
 REFERENCES = (BASELINE, LIMIT, COMPILED)
 

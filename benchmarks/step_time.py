@@ -258,7 +258,7 @@ def _run(a: argparse.Namespace, argv) -> int:
             "steps": a.steps,
             "repeats": a.repeats,
             "cudagraph_ddp_graph_warmup_steps": a.graph_warmup_steps,
-            "lightning_module": ("examples.gpt.GPTLightningModule" if a.model == "gpt" else
+            "lightning_module": ("cg_lightning.examples.gpt.GPTLightningModule" if a.model == "gpt" else
                                  "a LightningModule holding benchmarks.models.LlamaLM")
                                 + " with training_step = cross-entropy of model(x) as in the plain loops, no per-step "
                                   "self.log",

@@ -19,10 +19,12 @@ T = TypeVar("T")
 
 
 def as_options(cls: Type[T], value: Any, what: str) -> T:
-    """``cls()`` for ``None``, ``value`` itself if it is a ``cls``, ``cls(**value)`` for a mapping.
+    """``cls()`` for ``None``, a copy of ``value`` if it is a ``cls``, ``cls(**value)`` for a mapping.
 
     Both are checked field by field (:func:`~cg_lightning.option_checks.check_options`), so that a
-    problem reads as in a YAML file: ``graphs.warmup_steps: expected int, got 'two'``.
+    problem reads as in a YAML file: ``graphs.warmup_steps: expected int, got 'two'``. The copy keeps an
+    instance given by the user, or as a signature's default (what ``--print_config`` shows), apart from the
+    options a front end changes in place (``CUDAGraphCallback``'s schedule).
 
     Args:
         cls: an options dataclass (``GraphOptions``, ``DDPOptions``).
@@ -38,7 +40,7 @@ def as_options(cls: Type[T], value: Any, what: str) -> T:
         return cls()
     if isinstance(value, cls):
         check_options(value, what)  # its fields may have been set after construction
-        return value
+        return dataclasses.replace(value)
     if isinstance(value, Mapping):
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in value if k not in known]

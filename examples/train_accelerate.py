@@ -17,14 +17,15 @@ same seed and the same batches.
 CPU, two processes over gloo (``accelerate launch --cpu --num_processes 2`` starts only one process on
 a CPU: Accelerate's own multi-CPU launch needs mpirun; use torchrun or the config below)::
 
-    torchrun --nproc_per_node 2 examples/train_accelerate.py --config configs/gpt_tiny.yaml --max-steps 60
-    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml examples/train_accelerate.py \
-        --config configs/gpt_tiny.yaml --max-steps 60
+    torchrun --nproc_per_node 2 examples/train_accelerate.py \
+        --config cg_lightning/examples/configs/gpt_tiny.yaml --max-steps 60
+    accelerate launch --config_file examples/accelerate_configs/cpu_2proc.yaml examples/train_accelerate.py \
+        --config cg_lightning/examples/configs/gpt_tiny.yaml --max-steps 60
 
 GPUs of one machine::
 
-    accelerate launch --config_file configs/accelerate/gpu_1node.yaml examples/train_accelerate.py \
-        --config configs/gpt_small.yaml
+    accelerate launch --config_file examples/accelerate_configs/gpu_1node.yaml examples/train_accelerate.py \
+        --config cg_lightning/examples/configs/gpt_small.yaml
 
 ``--checkpoint-dir DIR``: on SIGTERM (under SLURM also SIGUSR1) to any process, every process stops after the same
 optimizer step (``accelerator.check_preemption()``), saves the state to ``DIR`` (``save_state``) and the run exits
@@ -46,7 +47,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)  # `examples.*` class paths in the config resolve from the repository root
+    sys.path.insert(0, ROOT)  # this checkout's cg_lightning, before an installed one
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,7 @@ import cg_lightning
 
 from cg_lightning.accelerate import CUDAGraphAccelerator
 from cg_lightning.cli import CGLightningCLI, ConfigError, report
+from cg_lightning.examples.configs import path as shipped_config
 
 _PRECISIONS = {"32-true": "no", "32": "no", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
@@ -66,7 +68,7 @@ def parse_args(argv=None):
     """This script's own options, and the rest of the arguments for the configuration parser."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="Every other argument goes to the configuration: --config FILE (repeat to "
-                                        "merge several; default configs/gpt_tiny.yaml), --trainer.max_steps=60, ...")
+                                        "merge several; default: the shipped gpt_tiny), --trainer.max_steps=60, ...")
     ap.add_argument("--eager", action="store_true", help="plain accelerate.Accelerator (torch DDP), the reference")
     ap.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: trainer.max_steps)")
     ap.add_argument("--gradient-accumulation-steps", type=int, default=None,
@@ -76,12 +78,13 @@ def parse_args(argv=None):
     ap.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are visible")
     ap.add_argument("--log-every", type=int, default=None, help="print the loss every N steps "
                     "(default: trainer.log_every_n_steps)")
-    ap.add_argument("--out", default=None, help="rank 0 saves losses, final weights and graph counters here")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="rank 0 saves losses, final weights and graph counters to this file (torch.save)")
     ap.add_argument("--checkpoint-dir", default=None, help="on SIGTERM save the state here and exit with 143; "
                     "resume from it when it holds a state (not with --eager)")
     args, config_args = ap.parse_known_args(argv)
     if not any(a in ("-c", "--config") or a.startswith("--config=") for a in config_args):
-        config_args = ["--config", os.path.join(ROOT, "configs", "gpt_tiny.yaml"), *config_args]
+        config_args = ["--config", shipped_config("gpt_tiny"), *config_args]
     return args, config_args
 
 

@@ -30,8 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import cg_lightning  # noqa: E402,F401  (registers "cudagraph_ddp" with Fabric)
-from examples.gpt import GPT  # noqa: E402
+from cg_lightning.examples.gpt import GPT  # noqa: E402  (importing cg_lightning registers "cudagraph_ddp" with Fabric)
 
 
 def main(argv=None) -> None:

@@ -54,7 +54,7 @@ trainer:
       ddp: {bucket_size_mb: 50}
 ```
 
-On the command line: `python -m cg_lightning fit --config configs/gpt_tiny.yaml
+On the command line: `python -m cg_lightning fit --config $(python -m cg_lightning.examples.configs gpt_tiny)
 --trainer.strategy.init_args.graphs.segments=false` ([cli.md](cli.md)).
 An unknown key is refused with the closest valid name. A value of the wrong type raises `TypeError`, one out of
 range or not among the choices `ValueError`; in Python and in YAML the message names the option, the value given

@@ -2,14 +2,15 @@
 # What the GPU machine must show after graph/DDP/strategy changes.
 # Usage (repository root, GPU machine): bash scripts/gpu_checks.sh OUTDIR [tests|bench|main|accelerate|all] [main_steps]
 #   tests: the cuda-marked tests;  bench: benchmarks/step_time.py, every peer at the tiny, small and compute sizes;
-#   main: the main job on configs/gpt_small.yaml (main_steps steps, default 200);  accelerate: examples/train_accelerate.py on 1 GPU, real graphs
-#   against the eager Accelerate run (fp32 and bf16, 2 micro-batches per step);  all: tests, bench, main.
+#   main: the main job on the shipped gpt_small configuration (main_steps steps, default 200);
+#   accelerate: examples/train_accelerate.py on 1 GPU, real graphs against the eager Accelerate run (fp32 and bf16, 2 micro-batches per step);  all: tests, bench, main.
 # Results in OUTDIR: cuda_tests_all_<gpu>_<date>.log, step_time_<sizes>_<gpu>_<date>.{md,json,png},
 # main_job_small_<gpu>_<date>.csv, accelerate_parity_small_<gpu>_<date>.md (the rule of benchmarks/README.md).
 # Wheels for packages the GPU image lacks (omegaconf, jsonargparse and its signatures extra: docstring-parser,
 # typeshed-client) may lie in .whl/ and are installed to /tmp/site.
 set -uo pipefail
 out=${1:-/tmp/gpu_checks}; what=${2:-all}; small_steps=${3:-200}
+small_config=cg_lightning/examples/configs/gpt_small.yaml
 case "$what" in tests|bench|main|accelerate|all) ;; *)
   echo "gpu_checks.sh: unknown section '$what'; use one of tests, bench, main, accelerate, all" >&2; exit 2;; esac
 mkdir -p "$out"
@@ -37,10 +38,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.step_time --sizes ${BENCH_SIZES:-tiny small compute} --out "$out" 2>&1 | tee "$out/bench.log" | tail -40 || status=1
 fi
 if [ "$what" = main ] || [ "$what" = all ]; then
-  python3 -m cg_lightning fit --config configs/gpt_small.yaml --trainer.max_steps="$small_steps" \
+  python3 -m cg_lightning fit --config $small_config --trainer.max_steps="$small_steps" \
     --trainer.default_root_dir="$out/runs" --trainer.enable_progress_bar=false 2>&1 | tee "$out/main_small.log" | tail -5 || status=1
   metrics=$(ls "$out"/runs/*/version_*/metrics.csv "$out"/runs/version_*/metrics.csv 2>/dev/null | head -1)
-  [ -n "$metrics" ] && { echo "# $stamp; command: python3 -m cg_lightning fit --config configs/gpt_small.yaml" \
+  [ -n "$metrics" ] && { echo "# $stamp; command: python3 -m cg_lightning fit --config $small_config" \
     "--trainer.max_steps=$small_steps; read with pandas.read_csv(path, comment='#')"; cat "$metrics"; } \
     > "$out/$(name main_job small csv)" && python3 - "$metrics" <<'PY'
 import csv, sys
@@ -49,7 +50,7 @@ print("main job train_loss: first", rows[0]["train_loss"], "last", rows[-1]["tra
 PY
 fi
 if [ "$what" = accelerate ]; then
-  A="examples/train_accelerate.py --config configs/gpt_small.yaml --max-steps ${ACC_STEPS:-30} --gradient-accumulation-steps 2"
+  A="examples/train_accelerate.py --config $small_config --max-steps ${ACC_STEPS:-30} --gradient-accumulation-steps 2"
   for mp in no bf16; do
     for mode in eager graphs; do
       flag=; [ $mode = eager ] && flag=--eager

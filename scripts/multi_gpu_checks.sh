@@ -156,7 +156,8 @@ PY
     done
     [ -f "$scaling" ] && python3 benchmarks/scaling.py --report "$scaling" | tee -a "$report" ;;
   accelerate)
-    A="examples/train_accelerate.py --config configs/gpt_small.yaml --max-steps 20 --gradient-accumulation-steps 2"
+    A="examples/train_accelerate.py --config cg_lightning/examples/configs/gpt_small.yaml --max-steps 20"
+    A="$A --gradient-accumulation-steps 2"
     for mode in eager graphs; do
       [ "$(left)" -lt 45 ] && { echo "SKIPPED accelerate $mode (budget)" | tee -a "$report"; continue; }
       flag=; [ $mode = eager ] && flag=--eager

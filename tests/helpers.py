@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 import cg_lightning  # registers the strategy name
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests.recorders import GradRecorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,12 +13,13 @@ import os
 import pytest
 import torch
 
+from cg_lightning.examples.configs import path as shipped_config
 from tests.helpers import PARITY_MODEL, ROOT, WARMUP, max_rel_diff, state_rel_diff
 from tests.launchers import run_ranks
 
 SCRIPT = os.path.join(ROOT, "examples", "train_accelerate.py")
 TINY = [
-    "--config", os.path.join(ROOT, "configs", "gpt_tiny.yaml"),
+    "--config", shipped_config("gpt_tiny"),
     *(f"--model.init_args.{key}={PARITY_MODEL[key]}" for key in ("n_layer", "d_model", "n_head", "block_size")),
     "--data.init_args.batch_size=4", "--data.init_args.max_bytes=300000",
     f"--trainer.strategy.init_args.graphs.warmup_steps={WARMUP}", "--log-every", "1000",
@@ -315,6 +316,15 @@ def test_torch_compile_refused_at_prepare(fresh_accelerate_state):
         accelerator.prepare(torch.nn.Linear(2, 2))
 
 
+def test_help_names_the_file_out_writes(capsys):
+    from examples.train_accelerate import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--out FILE rank 0 saves losses, final weights and graph counters to this file (torch.save)" in text
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["--trainer.max_step=5"], "error: command line: trainer.max_step: unknown key (did you mean 'max_steps'?)"),
     (["--model.init_args.n_layr=2"], "error: command line: model.init_args.n_layr: unknown key (did you mean "
@@ -328,7 +338,7 @@ def test_config_errors_are_error_lines_and_exit_2(overrides, expected, capsys):
     from examples.train_accelerate import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["--config", os.path.join(ROOT, "configs", "gpt_tiny.yaml"), "--cpu", *overrides])
+        main(["--config", shipped_config("gpt_tiny"), "--cpu", *overrides])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err

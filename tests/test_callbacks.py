@@ -14,8 +14,8 @@ import cg_lightning
 from cg_lightning.callbacks import CUDAGraphCallback, GraphMonitor
 from cg_lightning.callbacks.monitor import graph_state
 from cg_lightning.graphs import GraphStats
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests.helpers import MODEL, PARITY_MODEL, cg_strategy, fit_gpt, make_trainer
 
 

@@ -3,6 +3,7 @@ interpolation, ``--print_config``; in-process (CPU, fast). Error messages: tests
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -14,12 +15,10 @@ from lightning.pytorch import Trainer
 import cg_lightning
 from cg_lightning.cli import CGLightningCLI, ConfigError, main
 from cg_lightning.ddp import DDPOptions
+from cg_lightning.examples.configs import names as shipped_names, path as shipped_config
 from cg_lightning.graphs import GraphOptions
 
-REPO = Path(__file__).resolve().parents[1]
-# configs/accelerate/ holds Accelerate launcher configs (`accelerate launch --config_file ...`), not run configs
-SHIPPED = sorted(p for p in REPO.glob("configs/**/*.yaml") if not p.relative_to(REPO).as_posix().startswith(
-    "configs/accelerate/"))
+SHIPPED = [Path(shipped_config(name)) for name in shipped_names()]
 HELPERS = "tests.helpers_config"
 
 BASE_YAML = f"""
@@ -80,20 +79,20 @@ def test_configs_are_shipped():
     assert {"gpt_tiny.yaml", "gpt_small.yaml", "gpt_small_multigpu.yaml", "llama_tiny.yaml"} <= {p.name for p in SHIPPED}
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.relative_to(REPO).as_posix())
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_shipped_config_prints_resolved_and_round_trips(path: Path, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(REPO)  # class paths such as examples.gpt resolve from the repository root
-    first = printed(capsys, "fit", "--config", path.relative_to(REPO).as_posix())
+    monkeypatch.chdir(tmp_path)  # the shipped configs and the classes they name need no repository
+    first = printed(capsys, "fit", "--config", str(path))
     assert first["data"]["init_args"]["block_size"] == first["model"]["init_args"]["block_size"]
     assert first["trainer"]["strategy"]["class_path"] == "cg_lightning.CUDAGraphDDPStrategy"
     again = write(tmp_path, "printed.yaml", yaml.safe_dump(first))
     assert printed(capsys, "fit", "--config", again) == first  # the printed config is itself a valid --config
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.relative_to(REPO).as_posix())
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_shipped_config_builds(path: Path, tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)
-    args = ["--config", path.relative_to(REPO).as_posix(), f"--trainer.default_root_dir={tmp_path}"]
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(path), f"--trainer.default_root_dir={tmp_path}"]
     if "llama" in path.name:
         pytest.importorskip("transformers")
     if yaml.safe_load(path.read_text())["trainer"]["accelerator"] == "gpu" and not torch.cuda.is_available():
@@ -107,9 +106,8 @@ def test_shipped_config_builds(path: Path, tmp_path, monkeypatch):
     assert built.trainer.logger.save_dir == str(tmp_path)  # ${trainer.default_root_dir} sees the override
 
 
-def test_gpt_tiny_values(capsys, monkeypatch):
-    monkeypatch.chdir(REPO)
-    cfg = printed(capsys, "fit", "--config", "configs/gpt_tiny.yaml")
+def test_gpt_tiny_values(capsys):
+    cfg = printed(capsys, "fit", "--config", shipped_config("gpt_tiny"))
     assert cfg["trainer"]["accelerator"] == "cpu" and cfg["trainer"]["max_steps"] == 300
     assert cfg["trainer"]["strategy"]["init_args"]["graphs"]["warmup_steps"] == 2
     assert cfg["model"]["init_args"]["lr"] == pytest.approx(3e-3)
@@ -117,14 +115,35 @@ def test_gpt_tiny_values(capsys, monkeypatch):
     assert cfg["trainer"]["logger"]["init_args"]["save_dir"] == "runs"
 
 
-def test_gpt_small_multigpu_values(capsys, monkeypatch):
-    monkeypatch.chdir(REPO)
-    cfg = printed(capsys, "fit", "--config", "configs/gpt_small_multigpu.yaml")
+def test_gpt_small_multigpu_values(capsys):
+    cfg = printed(capsys, "fit", "--config", shipped_config("gpt_small_multigpu"))
     assert cfg["trainer"]["accelerator"] == "gpu" and cfg["trainer"]["devices"] >= 2
     assert cfg["trainer"]["precision"] == "bf16-mixed" and cfg["data"]["init_args"]["drop_last"] is True
     assert cfg["trainer"]["strategy"]["init_args"]["ddp"]["bucket_size_mb"] == 25
     assert [c["class_path"].rsplit(".", 1)[1] for c in cfg["trainer"]["callbacks"]] == ["GraphMonitor",
-                                                                                      "LearningRateMonitor"]
+                                                                                      "LearningRateMonitor",
+                                                                                      "ModelCheckpoint"]
+
+
+def test_a_run_shorter_than_val_check_interval_ends_with_a_checkpoint(tmp_path):
+    """The shipped configs validate every val_check_interval steps; a run that stops before the first validation
+    (or between two) still leaves the checkpoint of its last step, as a run ending on a validation does."""
+    root = tmp_path / "runs"
+    assert main(["fit", "--config", shipped_config("gpt_tiny"), "--trainer.max_steps=2",
+                 "--data.init_args.max_bytes=200000", f"--trainer.default_root_dir={root}",
+                 "--trainer.enable_progress_bar=false"]) == 0
+    saved = sorted(root.glob("lightning_logs/version_0/checkpoints/*.ckpt"))
+    assert [p.name for p in saved] == ["epoch=0-step=2.ckpt"]
+    assert torch.load(saved[0], weights_only=False)["global_step"] == 2
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_configs_checkpoint_at_the_end_of_each_run(path: Path, capsys):
+    """Every shipped config saves its checkpoint at the end of the run (Lightning's default saves only after a
+    validation, so a run that ends between two validations would lose its last steps)."""
+    checkpoints = [c for c in printed(capsys, "fit", "--config", str(path))["trainer"]["callbacks"] or []
+                   if c["class_path"] == "lightning.pytorch.callbacks.ModelCheckpoint"]
+    assert [c["init_args"]["save_on_train_epoch_end"] for c in checkpoints] == [True]
 
 
 # ----------------------------------------------------------------------------------- merging and interpolation
@@ -160,6 +179,18 @@ def test_strategy_options_reach_the_strategy(base):
     strategy = built.trainer.strategy
     assert isinstance(strategy, cg_lightning.CUDAGraphDDPStrategy)
     assert strategy.graph_options == GraphOptions(warmup_steps=3) and strategy.ddp_options == DDPOptions(bucket_size_mb=4)
+
+
+def test_print_config_shows_the_strategy_options_it_runs_with(base, capsys):
+    """A section of the strategy that a config leaves out prints as the defaults the strategy then runs with (not
+    ``null``), and what a config sets is printed over them."""
+    cfg = printed(capsys, "fit", "--config", base, "--trainer.strategy={class_path: cg_lightning.CUDAGraphDDPStrategy}")
+    options = cfg["trainer"]["strategy"]["init_args"]
+    assert options["ddp"] == dataclasses.asdict(DDPOptions())
+    assert options["graphs"] == dataclasses.asdict(GraphOptions())
+    options = printed(capsys, "fit", "--config", shipped_config("gpt_tiny"))["trainer"]["strategy"]["init_args"]
+    assert options["ddp"] == dataclasses.asdict(DDPOptions())
+    assert options["graphs"] == dataclasses.asdict(GraphOptions(backend="auto", warmup_steps=2))
 
 
 def test_default_strategy_is_cudagraph_ddp(tmp_path, capsys):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import examples.gpt
+import cg_lightning.examples.gpt
 import tests.helpers_config as helpers
 from cg_lightning.cli import main
 from tests.helpers import ROOT
@@ -36,10 +36,10 @@ trainer:
   enable_model_summary: false
   logger: false
 model:
-  class_path: examples.gpt.GPTLightningModule
+  class_path: cg_lightning.examples.gpt.GPTLightningModule
   init_args: {vocab_size: 256, block_size: 16, n_layer: 1, n_head: 2, d_model: 16}
 data:
-  class_path: examples.data.TextDataModule
+  class_path: cg_lightning.examples.data.TextDataModule
   init_args: {block_size: "${model.init_args.block_size}", batch_size: 2, max_bytes: 20000}
 """
 CL = "command line"
@@ -116,13 +116,13 @@ CONFIGS = {
     "unknown-option-flag": _override("--ckpt-path=x", "ckpt-path:"),
     # class paths (8)
     "class-no-module": _override("--model.class_path=no_such_pkg.Model", "model.class_path:"),
-    "class-typo": _override("--model.class_path=examples.gpt.GPTLightningModul", "model.class_path:"),
+    "class-typo": _override("--model.class_path=cg_lightning.examples.gpt.GPTLightningModul", "model.class_path:"),
     "class-no-dots": _override("--data.class_path=TextDataModul", "data.class_path:"),
     "class-missing": _override("--model.class_path=???", "model.class_path:"),
-    "class-wrong-kind": _override("--model.class_path=examples.data.TextDataModule", "model.class_path:"),
-    "class-callback-wrong-kind": _override("--trainer.callbacks=[{class_path: examples.gpt.GPT}]",
+    "class-wrong-kind": _override("--model.class_path=cg_lightning.examples.data.TextDataModule", "model.class_path:"),
+    "class-callback-wrong-kind": _override("--trainer.callbacks=[{class_path: cg_lightning.examples.gpt.GPT}]",
                                            "trainer.callbacks[0].class_path:"),
-    "class-not-a-class": _override("--model.class_path=examples.data.whole", "model.class_path:"),
+    "class-not-a-class": _override("--model.class_path=cg_lightning.examples.data.whole", "model.class_path:"),
     "class-no-class-path": _file("c.yaml", "trainer:\n  callbacks:\n    - init_args: {x: 1}\n",
                                  "trainer.callbacks[0].class_path:"),
     # sections of the wrong shape, missing values, interpolations (6)
@@ -194,7 +194,7 @@ def no_step(monkeypatch):
     def refuse(self, *args, **kwargs):
         raise AssertionError("a training step ran despite bad input")
 
-    for cls in (examples.gpt.GPTLightningModule, helpers.TinyRegressor):
+    for cls in (cg_lightning.examples.gpt.GPTLightningModule, helpers.TinyRegressor):
         monkeypatch.setattr(cls, "training_step", refuse)
 
 

@@ -8,8 +8,8 @@ import torch
 from lightning.pytorch import Callback, seed_everything
 
 from cg_lightning.ddp import GradSyncError
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests.helpers import (
     DATA, DEVICES, MODEL, cg_strategy, fit_gpt, make_trainer, max_rel_diff, state_rel_diff, train_in_process,
     train_subprocess,

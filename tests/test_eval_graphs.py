@@ -10,8 +10,8 @@ from lightning.pytorch import seed_everything
 
 from cg_lightning.callbacks import CUDAGraphCallback
 from cg_lightning.graphs import GraphManager, GraphOptions
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests.helpers import (
     DATA, DEVICES, MODEL, N_LAYER, WARMUP, EvalGPT, cg_strategy, fit_gpt, make_trainer, max_rel_diff, state_rel_diff,
     strategy_for,
@@ -68,7 +68,7 @@ def test_validate_test_predict_after_fit_replay_eval_graphs(accelerator, backend
         pred = trainer.predict(model, dataloaders=loader)
         stats.append(getattr(trainer.strategy, "last_graph_stats", None))
         out[name] = (val, test, pred, stats, model)
-    (ref_val, ref_test, ref_pred, _, ref_model), (val, test, pred, stats, model) = out["ddp"], out["cg"]
+    (ref_val, ref_test, ref_pred, _, _), (val, test, pred, stats, model) = out["ddp"], out["cg"]
     assert all("forward" not in b.__dict__ for b in model.model.blocks)  # every stage's manager removed
     for s in stats:
         assert s.eval_graphs == N_LAYER and s.eval_replays == N_LAYER * 2 and s.captured_runners == 0

@@ -1,15 +1,24 @@
-"""CPU tests for the GPT example model and its byte-level data module."""
+"""CPU tests for the example models (``cg_lightning.examples``), their byte-level data module, and the examples
+and configurations as a wheel of the package installs them."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from lightning.pytorch import Callback, seed_everything
 
-from examples.data import TextDataModule
-from examples.gpt import GPT, Block, GPTLightningModule
-from tests.helpers import make_trainer
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.configs import names as shipped_names
+from cg_lightning.examples.gpt import GPT, Block, GPTLightningModule
+from tests.helpers import ROOT, make_trainer, subprocess_env
 
 # ---------------------------------------------------------------------- model
 
@@ -258,10 +267,10 @@ def test_short_fit_reduces_loss():
 
 
 def test_llama_example_trains_graphed_as_ddp():
-    """examples/llama.py (configs/llama_tiny.yaml's model) on the default text: its decoder layers graphed by the
-    default selection, weights equal to ``"ddp"`` bit for bit."""
+    """cg_lightning/examples/llama.py (the model of the shipped llama_tiny configuration) on the default text: its
+    decoder layers graphed by the default selection, weights equal to ``"ddp"`` bit for bit."""
     pytest.importorskip("transformers")
-    from examples.llama import LlamaLightningModule
+    from cg_lightning.examples.llama import LlamaLightningModule
     from tests.helpers import cg_strategy
 
     models, trainers = [], []
@@ -275,3 +284,57 @@ def test_llama_example_trains_graphed_as_ddp():
     assert stats.captured_runners == 2 and stats.forward_replays == 2 * 3, stats
     for (name, a), b in zip(models[1].state_dict().items(), models[0].state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------- the package as a wheel installs it
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> tuple[Path, Path]:
+    """A wheel of this tree (built from a copy of it: the build leaves nothing in the checkout) and the folder it
+    was installed into, not editable: ``(wheel file, site folder)``."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(os.path.join(ROOT, "cg_lightning"), src / "cg_lightning",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+
+    def pip(*args: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", *args],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+    pip("wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"))
+    [built] = (tmp / "dist").glob("*.whl")
+    pip("install", "--no-deps", "--target", str(tmp / "site"), str(built))
+    return built, tmp / "site"
+
+
+def test_wheel_ships_the_examples_and_their_configurations(wheel):
+    names = set(zipfile.ZipFile(wheel[0]).namelist())
+    modules = {f"cg_lightning/examples/{m}.py" for m in ("__init__", "gpt", "data", "llama", "resumable")}
+    configs = {f"cg_lightning/examples/configs/{n}.yaml" for n in shipped_names()}
+    assert {"gpt_tiny", "gpt_small", "gpt_small_multigpu", "llama_tiny"} <= set(shipped_names())
+    assert modules | configs <= names, sorted((modules | configs) - names)
+
+
+@pytest.mark.timeout(300)
+def test_installed_wheel_runs_the_main_job_from_another_directory(wheel, tmp_path):
+    """What a user of ``pip install cg-lightning`` runs: the shipped config found by name, trained from a directory
+    that is not the repository, with the installed package only on the path."""
+    env = subprocess_env(PYTHONPATH=str(wheel[1]))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=240)
+
+    found = run("-m", "cg_lightning.examples.configs", "gpt_tiny")
+    assert found.returncode == 0, found.stderr[-2000:]
+    config = found.stdout.strip()
+    assert Path(config).is_file() and Path(config).is_relative_to(wheel[1]), config
+    fit = run("-m", "cg_lightning", "fit", "--config", config, "--trainer.max_steps=2",
+              "--data.init_args.max_bytes=200000", "--trainer.enable_progress_bar=false")
+    assert fit.returncode == 0, fit.stdout[-2000:] + fit.stderr[-4000:]
+    run_dir = tmp_path / "runs" / "lightning_logs" / "version_0"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").is_file()

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.plugins import MixedPrecision
 
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests.helpers import (
     DEVICES, MODEL, N_LAYER, WARMUP, EvalGPT, fit_gpt, max_rel_diff, state_rel_diff, strategy_for, train_subprocess,
 )

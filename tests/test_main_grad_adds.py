@@ -7,8 +7,8 @@ from lightning.pytorch import Callback, seed_everything
 
 import cg_lightning
 from cg_lightning.main_grad_adds import MainGradAdds
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests.helpers import DATA, MODEL, make_trainer, strategy_for
 
 

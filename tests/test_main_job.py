@@ -1,5 +1,6 @@
-"""The main job end to end through the CLI: configs/gpt_tiny.yaml, short run, the logged loss falls; and two refusals
-with their exit status from real processes. The three processes start together (tests.launchers.StartedTogether)."""
+"""The main job end to end through the CLI: the shipped gpt_tiny configuration, short run, the logged loss falls;
+and two refusals with their exit status from real processes. The three processes start together
+(tests.launchers.StartedTogether)."""
 
 import csv
 import glob
@@ -8,8 +9,11 @@ import sys
 
 import pytest
 
+from cg_lightning.examples.configs import path as shipped_config
 from tests.helpers import local_master, subprocess_env
 from tests.launchers import StartedTogether
+
+TINY = shipped_config("gpt_tiny")
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +22,7 @@ def cli(tmp_path_factory):
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("main", "bad", "windows")}
     bad = dirs["bad"] / "bad.yaml"
     bad.write_text("trainer:\n  max_step: 5\n")
-    fit = [sys.executable, "-m", "cg_lightning", "fit", "--config", "configs/gpt_tiny.yaml"]
+    fit = [sys.executable, "-m", "cg_lightning", "fit", "--config", TINY]
     started = StartedTogether()
     started.add("main", [*fit, "--trainer.max_steps=60", "--trainer.val_check_interval=30",
                          "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1",
@@ -66,6 +70,6 @@ def test_cli_refuses_data_windows_longer_than_the_model_context(cli):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert ("error: command line: data.init_args.block_size: 256 is longer than the model's context, "
             "model.init_args.block_size: 128") in proc.stderr
-    assert "(model.init_args.block_size from configs/gpt_tiny.yaml)" in proc.stderr
+    assert f"(model.init_args.block_size from {TINY})" in proc.stderr
     assert "Traceback" not in proc.stderr and not glob.glob(str(dirs["windows"] / "**" / "metrics.csv"),
                                                             recursive=True)

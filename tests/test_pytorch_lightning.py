@@ -11,7 +11,7 @@ pl = pytest.importorskip("pytorch_lightning")
 
 import cg_lightning  # noqa: E402  (registers the strategy name with both Lightning packages)
 from cg_lightning.pytorch_lightning import CUDAGraphCallback, CUDAGraphDDPStrategy, GraphMonitor  # noqa: E402
-from examples.gpt import GPT  # noqa: E402
+from cg_lightning.examples.gpt import GPT  # noqa: E402
 
 STEPS = 8
 N_LAYER = 2

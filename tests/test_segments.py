@@ -11,8 +11,8 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, se
 
 from cg_lightning import SegmentError
 from cg_lightning.ddp import GradSyncError
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests import engine_models as em
 from tests.engine_models import BACKENDS, assert_grads_equal, eager_reference, graphed_run
 from tests.helpers import DATA, DEVICES, MODEL, WARMUP, make_trainer, max_rel_diff, state_rel_diff, strategy_for

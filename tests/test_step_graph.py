@@ -9,8 +9,8 @@ import pytest
 import torch
 from lightning.pytorch import Callback, seed_everything
 
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests.helpers import (
     DATA, DEVICES, EPOCH_BATCHES, MODEL, WARMUP, cg_strategy, fit_gpt, fit_whole_epochs, make_trainer, max_rel_diff,
     state_rel_diff, state_rel_diffs, strategy_for,

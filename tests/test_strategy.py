@@ -5,8 +5,8 @@ import torch
 from lightning.pytorch import Callback
 
 import cg_lightning
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 from tests.helpers import cg_strategy, make_trainer, max_rel_diff, state_rel_diff, train_in_process, train_subprocess
 
 
@@ -55,6 +55,18 @@ def test_graphs_disabled_trains_through_engine():
     model, rec, _ = train_in_process(strategy, steps=6)
     assert max_rel_diff(rec.losses, ref.losses) < 1e-5
     assert strategy.last_graph_stats is None
+
+
+def test_each_strategy_has_options_of_its_own():
+    """The defaults of ``graphs`` and ``ddp`` are instances (what ``--print_config`` shows); a strategy's options
+    changed in place (as ``CUDAGraphCallback`` sets its schedule) reach no other strategy, nor the instance given."""
+    first, second = cg_lightning.CUDAGraphDDPStrategy(), cg_lightning.CUDAGraphDDPStrategy()
+    first.graph_options.warmup_steps, first.ddp_options.bucket_size_mb = 7, 7.0
+    assert second.graph_options == cg_lightning.GraphOptions() and second.ddp_options == cg_lightning.DDPOptions()
+    assert cg_lightning.CUDAGraphDDPStrategy().graph_options == cg_lightning.GraphOptions()
+    given = cg_lightning.GraphOptions(warmup_steps=3)
+    cg_lightning.CUDAGraphDDPStrategy(graphs=given).graph_options.warmup_steps = 5
+    assert given.warmup_steps == 3
 
 
 def test_torch_ddp_options_map_onto_the_engine_or_are_refused_with_the_reason():

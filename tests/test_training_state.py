@@ -19,7 +19,7 @@ import torch.nn as nn
 from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from examples.gpt import GPT
+from cg_lightning.examples.gpt import GPT
 from tests.engine_models import BACKENDS, graphed_engine
 from tests.helpers import (
     cg_strategy, fit_whole_epochs, make_trainer, max_rel_diff, state_rel_diff, train_in_process,
@@ -204,8 +204,8 @@ def test_resume_mid_epoch_continues_bit_for_bit(strategy_name, tmp_path):
     Trainer resumed with ``trainer.fit(ckpt_path=...)`` to 16: the resumed run's 10 losses and the final weights
     equal the uninterrupted run's bit for bit (CPU). Lightning "ddp" too: the reference is resumable this way.
 
-    Exactness mid-epoch comes from the example data module's resumable loader (``examples/resumable.py``): its
-    place in the epoch is saved in the checkpoint and restored, so the resumed run takes batch 7 of the same
+    Exactness mid-epoch comes from the example data module's resumable loader
+    (``cg_lightning/examples/resumable.py``): its place in the epoch is saved in the checkpoint and restored, so the resumed run takes batch 7 of the same
     shuffled order, then the next epoch's (``DistributedSampler.set_epoch``). AdamW's moments and the per-step
     LR warmup scheduler are restored with the weights. The models have no dropout: Lightning's checkpoint does
     not hold the RNG state.

@@ -21,7 +21,7 @@ from benchmarks.common import (
     make_optimizer,
     sync,
 )
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.gpt import GPTLightningModule
 
 
 class BenchGPTModule(GPTLightningModule):

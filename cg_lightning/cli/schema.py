@@ -36,7 +36,7 @@ class Group:
     """Named fields, each a :class:`Group` or a type hint (``Any`` where nothing is known)."""
 
     fields: Dict[str, Any]
-    what: str = ""  #: how the group reads in messages, e.g. ``"examples.gpt.GPTLightningModule"``
+    what: str = ""  #: how the group reads in messages, e.g. ``"cg_lightning.examples.gpt.GPTLightningModule"``
 
 
 def _members(hint: Any) -> List[Any]:
@@ -171,8 +171,8 @@ def resolve_class(class_path: Any, bases: Tuple[type, ...]) -> type:
     except ModuleNotFoundError as exc:
         missing = exc.name or module_name
         if module_name == missing or module_name.startswith(missing + "."):
-            raise ClassPathError(f"cannot import {class_path!r}: no module named {missing!r} (modules such as "
-                                 "'examples.*' are imported from the current directory)") from exc
+            raise ClassPathError(f"cannot import {class_path!r}: no module named {missing!r} (modules of your own "
+                                 "are imported from the current directory and the Python path)") from exc
         raise ClassPathError(f"importing module {module_name!r} failed: {type(exc).__name__}: {exc}",
                              _user_traceback(exc)) from exc
     except Exception as exc:

@@ -100,8 +100,8 @@ class CUDAGraphDDPMixin(StepHooksMixin, FaultsMixin, DistributedOptimizerMixin):
 
     def __init__(
         self,
-        graphs: Union[GraphOptions, Dict[str, Any], None] = None,
-        ddp: Union[DDPOptions, Dict[str, Any], None] = None,
+        graphs: Union[GraphOptions, Dict[str, Any], None] = GraphOptions(),  # copied, never shared: as_options
+        ddp: Union[DDPOptions, Dict[str, Any], None] = DDPOptions(),
         **kwargs: Any,
     ) -> None:
         self.graph_options = as_options(GraphOptions, graphs, "graphs")

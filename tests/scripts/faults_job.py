@@ -41,8 +41,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import cg_lightning
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 MODEL = dict(n_layer=2, d_model=32, n_head=2, block_size=16, lr=3e-3)  # tests.helpers.MODEL
 DATA = dict(block_size=16, batch_size=4, max_bytes=60 * 17, val_fraction=0.2)  # 6 batches per rank and epoch
 

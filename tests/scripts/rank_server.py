@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "cg_lightning", "cg_lightning.trainer.strategy",
-           "examples.gpt", "examples.data", "accelerate")
+           "cg_lightning.examples.gpt", "cg_lightning.examples.data", "accelerate")
 GRACE_S = 10.0
 
 

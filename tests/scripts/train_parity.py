@@ -23,8 +23,8 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from torch.utils.data import DataLoader, TensorDataset
 
 import cg_lightning
-from examples.data import TextDataModule
-from examples.gpt import GPTLightningModule
+from cg_lightning.examples.data import TextDataModule
+from cg_lightning.examples.gpt import GPTLightningModule
 
 
 class LossRecorder(Callback):

@@ -26,7 +26,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from examples.resumable import resumable_loader
+from cg_lightning.examples.resumable import resumable_loader
 
 __all__ = ["TextDataModule", "TokenWindowDataset", "check_arguments", "finite_at_least", "model_fit_problems",
            "read_stdlib_bytes", "read_text_bytes", "whole"]
@@ -382,9 +382,9 @@ class TextDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """Shuffled batches of ``(x, y)``, each int64 ``(batch_size, block_size)``.
 
-        Under a Trainer, a :class:`~examples.resumable.ResumableDataLoader` for this rank (the order Lightning's
-        ``DistributedSampler`` would give): a run resumed from any step's checkpoint continues with the next
-        batch of the same epoch, exactly as the uninterrupted run. Without a Trainer, a plain shuffled loader."""
+        Under a Trainer, a :class:`~cg_lightning.examples.resumable.ResumableDataLoader` for this rank (the order
+        Lightning's ``DistributedSampler`` would give): a run resumed from any step's checkpoint continues with the
+        next batch of the same epoch, exactly as the uninterrupted run. Without a Trainer, a plain shuffled loader."""
         self.setup()
         trainer = getattr(self, "trainer", None)
         if trainer is not None:

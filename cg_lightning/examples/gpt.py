@@ -24,7 +24,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 import cg_lightning
-from examples.data import check_arguments, finite_at_least, model_fit_problems, whole
+from cg_lightning.examples.data import check_arguments, finite_at_least, model_fit_problems, whole
 
 __all__ = ["Block", "GPT", "GPTLightningModule"]
 
@@ -259,7 +259,7 @@ class GPTLightningModule(LightningModule):
     """LightningModule training :class:`GPT` with next-token cross-entropy.
 
     Batches are ``(x, y)`` pairs of int64 tensors of shape ``(B, T)`` where ``y`` is
-    ``x`` shifted left by one token (see :class:`examples.data.TextDataModule`).
+    ``x`` shifted left by one token (see :class:`cg_lightning.examples.data.TextDataModule`).
 
     Model args are those of :class:`GPT`; optimiser args:
 
@@ -336,7 +336,7 @@ class GPTLightningModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         """Refuse a data module that cannot feed this model, before the first batch: windows longer than its
-        context, token ids beyond its vocabulary (:func:`examples.data.model_fit_problems`).
+        context, token ids beyond its vocabulary (:func:`cg_lightning.examples.data.model_fit_problems`).
 
         Raises:
             cg_lightning.errors.ConfigError (a ``ValueError``): one line per problem, naming the keys

@@ -12,7 +12,7 @@ epoch over: it trains on batches it already took and never on the rest of the ep
   the sampler's epoch. Lightning's fetcher takes no batch ahead from a loader with a length, so the count at a
   checkpoint is the number of batches the training loop consumed.
 
-Use them for your own map-style dataset as :meth:`examples.data.TextDataModule.train_dataloader` does
+Use them for your own map-style dataset as :meth:`cg_lightning.examples.data.TextDataModule.train_dataloader` does
 (docs/usage.md, "Exact resume mid-epoch").
 """
 

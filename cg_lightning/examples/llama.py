@@ -2,8 +2,8 @@
 download): the model people bring, on the same text data as the GPT example.
 
 Batches are ``(x, y)`` int64 pairs of shape ``(B, T)``, ``y`` being ``x`` shifted left by one token
-(:class:`examples.data.TextDataModule`); the loss is the mean next-token cross-entropy of ``y`` under the model's
-logits, computed in fp32. Under ``strategy: cudagraph_ddp`` the default layer selection graphs the decoder
+(:class:`cg_lightning.examples.data.TextDataModule`); the loss is the mean next-token cross-entropy of ``y`` under
+the model's logits, computed in fp32. Under ``strategy: cudagraph_ddp`` the default layer selection graphs the decoder
 layers (``model.model.layers.*``); embeddings, the final norm and the head run eagerly.
 """
 
@@ -75,7 +75,7 @@ class LlamaLightningModule(LightningModule):
             cg_lightning.errors.ConfigError: windows longer than the model's context, token ids beyond its vocabulary.
         """
         from cg_lightning.errors import ConfigError
-        from examples.data import model_fit_problems
+        from cg_lightning.examples.data import model_fit_problems
 
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         problems = model_fit_problems(datamodule, self.model.config.vocab_size, self.block_size)
