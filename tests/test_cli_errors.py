@@ -9,6 +9,7 @@ argument list after ``fit --config BASE`` (``@test`` first: another subcommand);
 from __future__ import annotations
 
 import textwrap
+import time
 
 import pytest
 import torch
@@ -58,6 +59,8 @@ CASES = [
      ["{bad.yaml}: trainer.max_steps: expected int, got 'abc'"]),
     ("wrong-type-optional", {}, ["--trainer.max_epochs=many"], ["command line: trainer.max_epochs: expected int or "
                                                                 "null, got 'many'"]),
+    ("section-where-a-value-was", {"bad.yaml": "seed_everything: {a: 1}\n"}, ["--config", "{bad.yaml}"],
+     ["{bad.yaml}: seed_everything: expected bool or int, got "]),
     ("section-not-a-mapping", {"bad.yaml": "trainer: 5\n"}, ["--config", "{bad.yaml}"],
      ["{bad.yaml}: trainer: expected a mapping of keys (accelerator, "]),
     ("init-args-not-a-mapping", {"bad.yaml": "model:\n  init_args: 3\n"}, ["--config", "{bad.yaml}"],
@@ -203,3 +206,47 @@ def test_gpu_accelerator_without_gpu(tmp_path, capsys):
     (tmp_path / "base.yaml").write_text(BASE_YAML)
     assert main(["fit", "--config", str(tmp_path / "base.yaml"), "--trainer.accelerator=gpu"]) == 2
     assert "error: command line: trainer.accelerator: the Trainer refused it:" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ input PyYAML and the parser let through
+#: seven lines of aliases of aliases: 8**7 (about two million) leaves once expanded
+BOMB = "a0: &a0 [x, x, x, x, x, x, x, x]\n" + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 8)}]\n"
+                                                    for i in range(1, 7))
+KEEP_ONE = "a key may appear once in a mapping (YAML 1.2): keep one"
+SLIPPED = [
+    pytest.param({"deep.yaml": "trainer: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n"}, ["--config", "{deep.yaml}"],
+                 "{deep.yaml}: mappings and lists nested deeper than 32 levels (at {deep.yaml}:1); the command line "
+                 "reads at most 32 levels", id="deep-mapping"),
+    pytest.param({"bomb.yaml": BOMB}, ["--config", "{bomb.yaml}"],
+                 "{bomb.yaml}: 2,739,143 values once its aliases (*name) are expanded, more than the 100,000 the "
+                 "command line reads; write the values out, or use fewer aliases of aliases", id="alias-bomb"),
+    pytest.param({"dup.yaml": "trainer: {max_steps: 3, max_steps: 5}\n"}, ["--config", "{dup.yaml}"],
+                 "{dup.yaml}: trainer.max_steps: given twice in one mapping, at {dup.yaml}:1, column 11 and at "
+                 f"{{dup.yaml}}:1, column 25; {KEEP_ONE}", id="duplicate-key"),
+    pytest.param({"dup.yaml": "trainer:\n  max_steps: 3\ntrainer:\n  max_epochs: 5\n"}, ["--config", "{dup.yaml}"],
+                 "{dup.yaml}: trainer: given twice in one mapping, at {dup.yaml}:1 and at {dup.yaml}:3; " + KEEP_ONE,
+                 id="duplicate-section"),
+    pytest.param({}, ["--trainer={max_steps: 3, max_steps: 5}"],
+                 "command line: --trainer={max_steps: 3, max_steps: 5}: trainer.max_steps: given twice in one "
+                 f"mapping, at column 2 and at column 16; {KEEP_ONE}", id="duplicate-key-in-an-override"),
+    pytest.param({}, ["--=5"], "command line: '--=5': names no key; overrides are written --KEY=VALUE "
+                 "(--trainer.max_steps=5)", id="override-without-a-key"),
+]
+
+
+@pytest.mark.parametrize("files, extra, expected", SLIPPED)
+def test_one_line_for_input_that_used_to_slip_through(files, extra, expected, tmp_path, capsys, no_training):
+    """Each of these ended in a traceback (RecursionError, FileNotFoundError), ran (a duplicate key: the last one
+    won) or hung for minutes (the alias bomb): now one ``error:`` line, status 2, in seconds."""
+    names = {name: str(tmp_path / name) for name in files}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "base.yaml").write_text(BASE_YAML)
+    capsys.readouterr()
+    start = time.perf_counter()
+    assert main(["fit", "--config", str(tmp_path / "base.yaml"), *(_fill(a, names) for a in extra)]) == 2
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: " + _fill(expected, names)), err[-3000:]
+    assert elapsed < 30, elapsed  # the parsers are built once per process: most of this on a cold start
