@@ -8,6 +8,7 @@ argument list after ``fit --config BASE`` (``@test`` first: another subcommand);
 
 from __future__ import annotations
 
+import os
 import textwrap
 import time
 
@@ -231,6 +232,10 @@ SLIPPED = [
                  f"mapping, at column 2 and at column 16; {KEEP_ONE}", id="duplicate-key-in-an-override"),
     pytest.param({}, ["--=5"], "command line: '--=5': names no key; overrides are written --KEY=VALUE "
                  "(--trainer.max_steps=5)", id="override-without-a-key"),
+    # as root, os.access allows writing anywhere, /proc too; making the folder there fails
+    pytest.param({}, ["--trainer.default_root_dir=/proc/forbidden/runs"], "command line: trainer.default_root_dir: "
+                 "'/proc/forbidden/runs' cannot be created: making a folder in /proc failed: ",
+                 id="root-dir-under-proc", marks=pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")),
 ]
 
 
@@ -250,3 +255,13 @@ def test_one_line_for_input_that_used_to_slip_through(files, extra, expected, tm
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: " + _fill(expected, names)), err[-3000:]
     assert elapsed < 30, elapsed  # the parsers are built once per process: most of this on a cold start
+
+
+def test_output_folders_are_tried_and_left_as_they_were(tmp_path, capsys):
+    """The check of ``default_root_dir`` makes a folder in the nearest existing parent and removes it again (here
+    the run stops on another key)."""
+    (tmp_path / "base.yaml").write_text(BASE_YAML)
+    assert main(["fit", "--config", str(tmp_path / "base.yaml"), f"--trainer.default_root_dir={tmp_path}/a/b/runs",
+                 "--trainer.max_steps=x"]) == 2
+    assert "trainer.max_steps" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["base.yaml"]
