@@ -130,3 +130,19 @@ class HostReadRegressor(TinyRegressor):
         for block in self.blocks:
             x = block(x)
         return nn.functional.mse_loss(self.net(x), y)
+
+
+class LateParameterRegressor(TinyRegressor):
+    """``TinyRegressor`` that starts using a parameter of its own (``late``) after ``from_step`` optimizer steps:
+    a gradient the data-parallel engine did not expect."""
+
+    def __init__(self, in_features: int = 4, hidden: int = 8, lr: float = 0.1, from_step: int = 3) -> None:
+        super().__init__(in_features=in_features, hidden=hidden, lr=lr)
+        self.late = nn.Linear(in_features, in_features)
+        self.from_step = from_step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step >= self.from_step:
+            x = self.late(x)
+        return nn.functional.mse_loss(self.net(x), y)

@@ -17,6 +17,7 @@ import torch
 
 import tests.helpers_config as helpers
 from cg_lightning.cli import main
+from cg_lightning.cli.app import TRACEBACK_VARIABLE
 from tests.test_cli import BASE_YAML, HELPERS
 
 S = "--trainer.strategy.init_args."
@@ -265,3 +266,45 @@ def test_output_folders_are_tried_and_left_as_they_were(tmp_path, capsys):
                  "--trainer.max_steps=x"]) == 2
     assert "trainer.max_steps" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["base.yaml"]
+
+
+# ------------------------------------------------------------------ the package's errors of a started run
+RUN_ERRORS = [
+    pytest.param([f"--model.class_path={HELPERS}.HostReadRegressor",
+                  "--trainer.strategy=cg_lightning.CUDAGraphDDPStrategy", S + "graphs.layers=[blocks.*]"],
+                 "error: GraphCaptureError: could not capture the forward of layer 'blocks.0': host read of tensor "
+                 f"data: .item() at File \"{helpers.__file__}\", line ",
+                 ["in forward: scale = y.abs().max().item().", "leave the layer out of graphs.layers"], id="capture"),
+    pytest.param([f"--model.class_path={HELPERS}.LateParameterRegressor", "--trainer.strategy=cudagraph_ddp"],
+                 "error: GradSyncError: rank 0: gradients of these parameters of LateParameterRegressor did not "
+                 "report ready", ["late.weight (ready 0 times", "freeze it with requires_grad=False"], id="grad-sync"),
+]
+
+
+@pytest.mark.parametrize("extra, first, fragments", RUN_ERRORS)
+@pytest.mark.parametrize("traceback", [False, True], ids=["plain", TRACEBACK_VARIABLE])
+def test_a_run_error_is_one_error_block(extra, first, fragments, traceback, tmp_path, capsys, monkeypatch):
+    """A GraphCaptureError or GradSyncError after the warmup steps: its message as ``error:`` lines, exit status
+    1; its traceback (one: not chained below a copy of its own words) only with CG_LIGHTNING_TRACEBACK=1."""
+    monkeypatch.setenv(TRACEBACK_VARIABLE, "1" if traceback else "")
+    (tmp_path / "base.yaml").write_text(BASE_YAML)
+    capsys.readouterr()
+    assert main(["fit", "--config", str(tmp_path / "base.yaml"), "--trainer.max_steps=6",
+                 f"--trainer.default_root_dir={tmp_path}", *extra]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith(first) and all(f in lines[0] for f in fragments), err[-3000:]
+    assert "[rank0]" not in err
+    if traceback:
+        assert err.count("Traceback (most recent call last)") == 1 and err.index("Traceback") < err.index(lines[0])
+    else:
+        assert "Traceback" not in err and err.rstrip().endswith(f"run again with {TRACEBACK_VARIABLE}=1)")
+
+
+def test_a_configuration_error_shows_its_traceback_when_asked(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(TRACEBACK_VARIABLE, "1")
+    (tmp_path / "base.yaml").write_text(BASE_YAML)
+    assert main(["fit", "--config", str(tmp_path / "base.yaml"), "--trainer.max_step=1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ConfigError" in err
+    assert err.strip().splitlines()[-1].startswith("error: command line: trainer.max_step: unknown key")
