@@ -1,4 +1,4 @@
-"""Small Lightning classes that tests/test_config.py builds by ``class_path``."""
+"""Small Lightning classes the command line's tests build by ``class_path`` (test_backends.py builds one directly)."""
 
 from __future__ import annotations
 
@@ -103,3 +103,46 @@ class EvalRegressor(TinyRegressor):
 
     def predict_step(self, batch, batch_idx):
         return self.net(batch[0])
+
+
+class HostReadBlock(nn.Module):
+    """A linear layer that reads a value of its output on the host (``.item()``), which a graph cannot replay."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(features, features)
+
+    def forward(self, x):
+        y = self.lin(x)
+        scale = y.abs().max().item()
+        return y * (1.0 + 0.0 * scale)
+
+
+class HostReadRegressor(TinyRegressor):
+    """``TinyRegressor`` behind two :class:`HostReadBlock` (``blocks.*``): their capture fails."""
+
+    def __init__(self, in_features: int = 4, hidden: int = 8, lr: float = 0.1) -> None:
+        super().__init__(in_features=in_features, hidden=hidden, lr=lr)
+        self.blocks = nn.ModuleList([HostReadBlock(in_features) for _ in range(2)])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+class LateParameterRegressor(TinyRegressor):
+    """``TinyRegressor`` that starts using a parameter of its own (``late``) after ``from_step`` optimizer steps:
+    a gradient the data-parallel engine did not expect."""
+
+    def __init__(self, in_features: int = 4, hidden: int = 8, lr: float = 0.1, from_step: int = 3) -> None:
+        super().__init__(in_features=in_features, hidden=hidden, lr=lr)
+        self.late = nn.Linear(in_features, in_features)
+        self.from_step = from_step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step >= self.from_step:
+            x = self.late(x)
+        return nn.functional.mse_loss(self.net(x), y)

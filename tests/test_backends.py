@@ -13,12 +13,12 @@ Each engine-level case runs on the eager backend (CPU) and, with the ``cuda`` ma
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import functools
 import gc
 import inspect
+import traceback
 
 import pytest
 import torch
@@ -348,6 +348,26 @@ def test_failed_capture_in_training_leaves_the_process_as_it_was(where, segments
     after, _, _, _, _ = graphed_run(em.SeedLayer, backend, device)
     assert_grads_equal(after, before, tol=0)
     assert_grads_equal(after, eager_reference(em.SeedLayer, device=device)[0])
+
+
+def test_a_host_read_under_the_trainer_is_raised_once(deterministic):
+    """``Trainer.fit`` raises the GraphCaptureError alone: the host read it quotes whole (operation and source line)
+    is kept as its ``host_sync``, not chained below it as a second traceback with the same words."""
+    from lightning.pytorch import seed_everything
+
+    from cg_lightning.graphs.errors import HostSyncError
+    from tests.helpers import cg_strategy, make_trainer
+    from tests.helpers_config import HostReadRegressor, TinyData
+
+    seed_everything(0)
+    with pytest.raises(GraphCaptureError, match=r"forward of layer 'blocks\.0': host read of tensor data: \.item\(\) "
+                                                r"at File .*helpers_config\.py") as info:
+        make_trainer(cg_strategy(layers=["blocks.*"]), 6).fit(HostReadRegressor(3, 5), TinyData(3, 16))
+    error = info.value
+    assert error.__cause__ is None and error.__suppress_context__ and isinstance(error.host_sync, HostSyncError)
+    shown = "".join(traceback.format_exception(error))
+    assert shown.count("Traceback (most recent call last)") == 1
+    assert shown.count("scale = y.abs().max().item()") == 1, shown[-3000:]
 
 
 # ----------------------------------------------------------------------------- make_graphed_callables

@@ -8,13 +8,16 @@ argument list after ``fit --config BASE`` (``@test`` first: another subcommand);
 
 from __future__ import annotations
 
+import os
 import textwrap
+import time
 
 import pytest
 import torch
 
 import tests.helpers_config as helpers
 from cg_lightning.cli import main
+from cg_lightning.cli.app import TRACEBACK_VARIABLE
 from tests.test_cli import BASE_YAML, HELPERS
 
 S = "--trainer.strategy.init_args."
@@ -58,6 +61,8 @@ CASES = [
      ["{bad.yaml}: trainer.max_steps: expected int, got 'abc'"]),
     ("wrong-type-optional", {}, ["--trainer.max_epochs=many"], ["command line: trainer.max_epochs: expected int or "
                                                                 "null, got 'many'"]),
+    ("section-where-a-value-was", {"bad.yaml": "seed_everything: {a: 1}\n"}, ["--config", "{bad.yaml}"],
+     ["{bad.yaml}: seed_everything: expected bool or int, got "]),
     ("section-not-a-mapping", {"bad.yaml": "trainer: 5\n"}, ["--config", "{bad.yaml}"],
      ["{bad.yaml}: trainer: expected a mapping of keys (accelerator, "]),
     ("init-args-not-a-mapping", {"bad.yaml": "model:\n  init_args: 3\n"}, ["--config", "{bad.yaml}"],
@@ -203,3 +208,103 @@ def test_gpu_accelerator_without_gpu(tmp_path, capsys):
     (tmp_path / "base.yaml").write_text(BASE_YAML)
     assert main(["fit", "--config", str(tmp_path / "base.yaml"), "--trainer.accelerator=gpu"]) == 2
     assert "error: command line: trainer.accelerator: the Trainer refused it:" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ input PyYAML and the parser let through
+#: seven lines of aliases of aliases: 8**7 (about two million) leaves once expanded
+BOMB = "a0: &a0 [x, x, x, x, x, x, x, x]\n" + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 8)}]\n"
+                                                    for i in range(1, 7))
+KEEP_ONE = "a key may appear once in a mapping (YAML 1.2): keep one"
+SLIPPED = [
+    pytest.param({"deep.yaml": "trainer: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n"}, ["--config", "{deep.yaml}"],
+                 "{deep.yaml}: mappings and lists nested deeper than 32 levels (at {deep.yaml}:1); the command line "
+                 "reads at most 32 levels", id="deep-mapping"),
+    pytest.param({"bomb.yaml": BOMB}, ["--config", "{bomb.yaml}"],
+                 "{bomb.yaml}: 2,739,143 values once its aliases (*name) are expanded, more than the 100,000 the "
+                 "command line reads; write the values out, or use fewer aliases of aliases", id="alias-bomb"),
+    pytest.param({"dup.yaml": "trainer: {max_steps: 3, max_steps: 5}\n"}, ["--config", "{dup.yaml}"],
+                 "{dup.yaml}: trainer.max_steps: given twice in one mapping, at {dup.yaml}:1, column 11 and at "
+                 f"{{dup.yaml}}:1, column 25; {KEEP_ONE}", id="duplicate-key"),
+    pytest.param({"dup.yaml": "trainer:\n  max_steps: 3\ntrainer:\n  max_epochs: 5\n"}, ["--config", "{dup.yaml}"],
+                 "{dup.yaml}: trainer: given twice in one mapping, at {dup.yaml}:1 and at {dup.yaml}:3; " + KEEP_ONE,
+                 id="duplicate-section"),
+    pytest.param({}, ["--trainer={max_steps: 3, max_steps: 5}"],
+                 "command line: --trainer={max_steps: 3, max_steps: 5}: trainer.max_steps: given twice in one "
+                 f"mapping, at column 2 and at column 16; {KEEP_ONE}", id="duplicate-key-in-an-override"),
+    pytest.param({}, ["--=5"], "command line: '--=5': names no key; overrides are written --KEY=VALUE "
+                 "(--trainer.max_steps=5)", id="override-without-a-key"),
+    # as root, os.access allows writing anywhere, /proc too; making the folder there fails
+    pytest.param({}, ["--trainer.default_root_dir=/proc/forbidden/runs"], "command line: trainer.default_root_dir: "
+                 "'/proc/forbidden/runs' cannot be created: making a folder in /proc failed: ",
+                 id="root-dir-under-proc", marks=pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")),
+]
+
+
+@pytest.mark.parametrize("files, extra, expected", SLIPPED)
+def test_one_line_for_input_that_used_to_slip_through(files, extra, expected, tmp_path, capsys, no_training):
+    """Each of these ended in a traceback (RecursionError, FileNotFoundError), ran (a duplicate key: the last one
+    won) or hung for minutes (the alias bomb): now one ``error:`` line, status 2, in seconds."""
+    names = {name: str(tmp_path / name) for name in files}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "base.yaml").write_text(BASE_YAML)
+    capsys.readouterr()
+    start = time.perf_counter()
+    assert main(["fit", "--config", str(tmp_path / "base.yaml"), *(_fill(a, names) for a in extra)]) == 2
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: " + _fill(expected, names)), err[-3000:]
+    assert elapsed < 30, elapsed  # the parsers are built once per process: most of this on a cold start
+
+
+def test_output_folders_are_tried_and_left_as_they_were(tmp_path, capsys):
+    """The check of ``default_root_dir`` makes a folder in the nearest existing parent and removes it again (here
+    the run stops on another key)."""
+    (tmp_path / "base.yaml").write_text(BASE_YAML)
+    assert main(["fit", "--config", str(tmp_path / "base.yaml"), f"--trainer.default_root_dir={tmp_path}/a/b/runs",
+                 "--trainer.max_steps=x"]) == 2
+    assert "trainer.max_steps" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["base.yaml"]
+
+
+# ------------------------------------------------------------------ the package's errors of a started run
+RUN_ERRORS = [
+    pytest.param([f"--model.class_path={HELPERS}.HostReadRegressor",
+                  "--trainer.strategy=cg_lightning.CUDAGraphDDPStrategy", S + "graphs.layers=[blocks.*]"],
+                 "error: GraphCaptureError: could not capture the forward of layer 'blocks.0': host read of tensor "
+                 f"data: .item() at File \"{helpers.__file__}\", line ",
+                 ["in forward: scale = y.abs().max().item().", "leave the layer out of graphs.layers"], id="capture"),
+    pytest.param([f"--model.class_path={HELPERS}.LateParameterRegressor", "--trainer.strategy=cudagraph_ddp"],
+                 "error: GradSyncError: rank 0: gradients of these parameters of LateParameterRegressor did not "
+                 "report ready", ["late.weight (ready 0 times", "freeze it with requires_grad=False"], id="grad-sync"),
+]
+
+
+@pytest.mark.parametrize("extra, first, fragments", RUN_ERRORS)
+@pytest.mark.parametrize("traceback", [False, True], ids=["plain", TRACEBACK_VARIABLE])
+def test_a_run_error_is_one_error_block(extra, first, fragments, traceback, tmp_path, capsys, monkeypatch):
+    """A GraphCaptureError or GradSyncError after the warmup steps: its message as ``error:`` lines, exit status
+    1; its traceback (one: not chained below a copy of its own words) only with CG_LIGHTNING_TRACEBACK=1."""
+    monkeypatch.setenv(TRACEBACK_VARIABLE, "1" if traceback else "")
+    (tmp_path / "base.yaml").write_text(BASE_YAML)
+    capsys.readouterr()
+    assert main(["fit", "--config", str(tmp_path / "base.yaml"), "--trainer.max_steps=6",
+                 f"--trainer.default_root_dir={tmp_path}", *extra]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith(first) and all(f in lines[0] for f in fragments), err[-3000:]
+    assert "[rank0]" not in err
+    if traceback:
+        assert err.count("Traceback (most recent call last)") == 1 and err.index("Traceback") < err.index(lines[0])
+    else:
+        assert "Traceback" not in err and err.rstrip().endswith(f"run again with {TRACEBACK_VARIABLE}=1)")
+
+
+def test_a_configuration_error_shows_its_traceback_when_asked(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(TRACEBACK_VARIABLE, "1")
+    (tmp_path / "base.yaml").write_text(BASE_YAML)
+    assert main(["fit", "--config", str(tmp_path / "base.yaml"), "--trainer.max_step=1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ConfigError" in err
+    assert err.strip().splitlines()[-1].startswith("error: command line: trainer.max_step: unknown key")

@@ -219,7 +219,10 @@ def test_capture_error_eager_fallback_keeps_other_layers_graphed(request, tagged
 
 @pytest.mark.parametrize("tagged,fixture,cause", CAUSES)
 def test_capture_error_raise_names_the_layer(request, tagged, fixture, cause):
+    """The error that did not name the layer is raised naming it, itself: not a copy chained to the original."""
     if fixture:
         request.getfixturevalue(fixture)
-    with pytest.raises(GraphCaptureError, match=rf"'layers\.1'.*{cause}"):
+    with pytest.raises(GraphCaptureError, match=rf"'layers\.1'.*{cause}") as info:
         _train_three("raise", tagged)
+    assert not isinstance(info.value.__cause__, GraphCaptureError)
+    assert not isinstance(info.value.__context__, GraphCaptureError)

@@ -16,19 +16,26 @@ those steps:
    batch (the strategy's setup checks, :mod:`cg_lightning.trainer.setup_checks`) become such lines too.
 
 Each of these raises :class:`~cg_lightning.errors.ConfigError`; :func:`main` prints one ``error:`` line per problem
-and returns exit status 2, before any training step.
+and returns exit status 2, before any training step. The package's own errors of a run that has started
+(:data:`RUN_ERRORS`: a layer that cannot be captured, gradients that do not sync, a lost peer) end as ``error:``
+lines too, with exit status 1. Their traceback, and a configuration error's, is printed only with
+``CG_LIGHTNING_TRACEBACK=1`` in the environment.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from typing import Any, Dict, Optional, Sequence
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
+from cg_lightning.ddp.errors import GradSyncError
 from cg_lightning.errors import ConfigError
+from cg_lightning.graphs.errors import GraphCaptureError, GraphSignatureError, HostSyncError, SegmentError
 
 from .keys import Problem, check_keys
 from .diagnosis import parse_problems
@@ -41,6 +48,13 @@ from .sources import COMMAND_LINE, Provenance, leaf_key, merge, read_sources, re
 __all__ = ["CGLightningCLI", "main", "report"]
 
 EXIT_CONFIG_ERROR = 2
+#: a run that started stopped on one of :data:`RUN_ERRORS` (steps may have run): Python's status for any exception
+EXIT_RUN_ERROR = 1
+#: the errors of a run whose message says all there is (the layer or parameter, the cause, the source line, the fix);
+#: ``PeerLostError`` is a ``GradSyncError``
+RUN_ERRORS = (GraphCaptureError, GraphSignatureError, HostSyncError, SegmentError, GradSyncError)
+#: set to ``1`` to print the traceback above the ``error:`` lines
+TRACEBACK_VARIABLE = "CG_LIGHTNING_TRACEBACK"
 #: the parser settings every (sub)command parser gets: OmegaConf merging and interpolation, no abbreviated options
 #: (``--trainer.max_step`` must not silently mean ``max_steps``), errors raised to this class instead of printed
 PARSER_DEFAULTS = {"parser_mode": "omegaconf+", "exit_on_error": False, "allow_abbrev": False}
@@ -218,31 +232,46 @@ class CGLightningCLI(LightningCLI):
             self._reporter.raise_if(problems, exc)
 
 
-def report(error: ConfigError, stream: Any = None) -> int:
-    """Print ``error`` as ``error: ...`` lines (then its ``details``, e.g. the user's traceback); returns 2."""
+def _traceback_asked() -> bool:
+    return os.environ.get(TRACEBACK_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def report(error: BaseException, stream: Any = None) -> int:
+    """Print ``error`` as ``error: ...`` lines (after its traceback, with ``CG_LIGHTNING_TRACEBACK=1``).
+
+    Returns:
+        2 for a :class:`ConfigError` (after its lines, its ``details``: e.g. the traceback of the user's module that
+        failed to import), 1 for one of :data:`RUN_ERRORS` (its type's name first, and how to see its traceback).
+    """
     stream = stream or sys.stderr
-    for line in str(error).splitlines() or [""]:
+    if _traceback_asked():
+        traceback.print_exception(error, file=stream)
+    config = isinstance(error, ConfigError)
+    text = str(error) if config else f"{type(error).__name__}: {error}"
+    for line in text.splitlines() or [""]:
         print(f"error: {line}", file=stream)
     details = getattr(error, "details", "")
     if details:
         print(details.rstrip(), file=stream)
+    if not config and not _traceback_asked():
+        print(f"(its traceback: run again with {TRACEBACK_VARIABLE}=1)", file=stream)
     stream.flush()
-    return EXIT_CONFIG_ERROR
+    return EXIT_CONFIG_ERROR if config else EXIT_RUN_ERROR
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m cg_lightning fit|validate|test|predict --config A.yaml [--config B.yaml] [--key=value ...]``.
 
     Returns:
-        The exit status: 0 after the run, 2 for a configuration error (printed as ``error:`` lines), the code of
-        ``--help`` / ``--print_config`` (0).
+        The exit status: 0 after the run, 2 for a configuration error, 1 for one of :data:`RUN_ERRORS` (both printed
+        as ``error:`` lines), the code of ``--help`` / ``--print_config`` (0).
     """
     saved = sys.argv
     if argv is not None:  # Lightning's launcher of further processes re-runs sys.argv: it must hold the arguments
         sys.argv = [sys.argv[0] if sys.argv else "cg_lightning", *argv]
     try:
         CGLightningCLI(reuse_parsers=True, parser_kwargs={"prog": "python -m cg_lightning"})
-    except ConfigError as error:
+    except (ConfigError, *RUN_ERRORS) as error:
         return report(error)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_CONFIG_ERROR)

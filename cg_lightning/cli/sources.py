@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import yaml
 
 from cg_lightning.option_checks import join_key
+
+from . import strict_yaml
 
 COMMAND_LINE = "command line"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -53,8 +55,8 @@ def nest(dotted: str, value: Any) -> Dict[str, Any]:
 
 
 def read_yaml_file(path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
-    """``(mapping, None)``, or ``(None, problem)`` for a file that is missing, unreadable, empty, not YAML or not a
-    mapping at the top level."""
+    """``(mapping, None)``, or ``(None, problem)`` for a file that is missing, unreadable, empty, not YAML, not a
+    mapping at the top level, or refused by :func:`~cg_lightning.cli.strict_yaml.load` (one line a problem)."""
     if os.path.isdir(path):
         return None, f"{path}: is a folder, expected a YAML config file"
     if not os.path.exists(path):
@@ -67,12 +69,14 @@ def read_yaml_file(path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     except OSError as exc:
         return None, f"{path}: cannot read: {exc.strerror or exc}"
     try:
-        data = yaml.safe_load(text)
+        data, refused = strict_yaml.load(text, lambda mark: f"{path}:{mark.line + 1}")
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         return None, f"{path}: invalid YAML{where}: {problem}"
+    if refused:
+        return None, "\n".join(f"{path}: {line}" for line in refused)
     if data is None:
         return None, (f"{path}: the file holds no settings; expected a mapping such as "
                       "'model: {class_path: ...}' (an empty config would start a run of defaults only)")
@@ -81,15 +85,17 @@ def read_yaml_file(path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     return dict(data), None
 
 
-def parse_value(text: str) -> Tuple[Any, Optional[str]]:
-    """An override's value as the parser reads it: YAML where it parses, else the string itself; and the YAML
-    error of a value that looks like a list or a mapping (``[1,``) but is not one."""
+def parse_value(text: str, key: str = "") -> Tuple[Any, Optional[str]]:
+    """An override's value as the parser reads it: YAML where it parses, else the string itself; and what is wrong
+    with a value that looks like a list or a mapping (``[1,``) but is not YAML, or that
+    :func:`~cg_lightning.cli.strict_yaml.load` refuses."""
     try:
-        return yaml.safe_load(text), None
+        value, refused = strict_yaml.load(text, lambda mark: f"column {mark.column + 1}", key)
     except yaml.YAMLError as exc:
         if text.lstrip().startswith(("[", "{")):
-            return text, " ".join(str(getattr(exc, "problem", None) or exc).split())
+            return text, f"not a valid YAML value ({' '.join(str(getattr(exc, 'problem', None) or exc).split())})"
         return text, None
+    return (text, "; ".join(refused)) if refused else (value, None)
 
 
 def read_sources(args: Sequence[str], expect_subcommand: bool = True) -> Invocation:
@@ -99,8 +105,8 @@ def read_sources(args: Sequence[str], expect_subcommand: bool = True) -> Invocat
         args: the arguments after the program's name.
         expect_subcommand: whether they start with one of :data:`SUBCOMMANDS` (``LightningCLI(run=False)`` has none).
 
-    Problems found here: config files that cannot be read, options without a value, and ``key=value`` words
-    without the leading ``--`` (the form of overrides is ``--trainer.max_steps=5``).
+    Problems found here: config files that cannot be read, options without a value or without a key (``--=5``),
+    and ``key=value`` words without the leading ``--`` (the form of overrides is ``--trainer.max_steps=5``).
     """
     args = list(args)
     sub_at = next((i for i, a in enumerate(args) if a in SUBCOMMANDS), None) if expect_subcommand else -1
@@ -131,6 +137,13 @@ def read_sources(args: Sequence[str], expect_subcommand: bool = True) -> Invocat
             pass
         elif arg.startswith("--"):
             key, eq, value = arg[2:].partition("=")
+            name = key[:-1] if key.endswith("+") else key  # --trainer.callbacks+=...: appends to the list
+            if "" in name.split("."):
+                what = f"the key {name!r} has an empty part" if name else "names no key"
+                inv.problems.append(f"{COMMAND_LINE}: {arg!r}: {what}; overrides are written --KEY=VALUE "
+                                    "(--trainer.max_steps=5)")
+                i += 1
+                continue
             if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
                 i += 1
                 value = args[i]
@@ -138,9 +151,9 @@ def read_sources(args: Sequence[str], expect_subcommand: bool = True) -> Invocat
                 inv.problems.append(f"{COMMAND_LINE}: {arg} has no value; expected {arg}=VALUE")
                 i += 1
                 continue
-            parsed, broken = parse_value(value)
+            parsed, broken = parse_value(value, name)
             if broken:
-                inv.problems.append(f"{COMMAND_LINE}: --{key}={value}: not a valid YAML value ({broken})")
+                inv.problems.append(f"{COMMAND_LINE}: --{key}={value}: {broken}")
             elif key and not key.endswith("+"):
                 inv.sources.append(Source(COMMAND_LINE, nest(key, parsed), i))
         elif "=" in arg and not arg.startswith("-"):
@@ -160,17 +173,21 @@ class Provenance:
         self.exact: Dict[str, str] = {}
         self.whole: Dict[str, str] = {}
         self.sections: Dict[str, str] = {}  #: mappings: the last source that wrote the section itself
+        self._parents: Set[str] = set()  #: the keys some key of ``exact`` is below (its stale keys, if replaced)
 
     def record(self, data: Any, source: str, path: str = "") -> None:
         if isinstance(data, Mapping):
             if path:
                 self.sections[path] = source
+                self.exact.pop(path, None)  # a value an earlier source gave here is replaced
             for key, value in data.items():
                 self.record(value, source, join_key(path, key))
             return
-        for stale in [k for k in self.exact if k.startswith(path + ".") or k.startswith(path + "[")]:
-            del self.exact[stale]
+        if path in self._parents:  # a value replacing a section or list of an earlier source: forget what was below
+            for stale in [k for k in self.exact if k.startswith(path + ".") or k.startswith(path + "[")]:
+                del self.exact[stale]
         self.exact[path] = self.whole[path] = source
+        self._parents.update(path[:i] for i, c in enumerate(path) if c in ".[" and i)
         if isinstance(data, list):
             for i, item in enumerate(data):
                 self.record(item, source, f"{path}[{i}]")

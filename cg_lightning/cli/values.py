@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import typing
 from typing import Any, Callable, Dict, List, Optional
 
@@ -78,20 +79,23 @@ TRAINER_RANGES: Dict[str, Callable[[Any], Optional[str]]] = {
 
 
 def _unwritable(path: Any) -> Optional[str]:
-    """Why files cannot be created under folder ``path`` (created if missing), or ``None``."""
+    """Why files cannot be created under folder ``path``, or ``None``. Tried, not guessed from permission bits
+    (``os.access`` says yes to root anywhere, ``/proc`` included): a folder of a unique name is made in ``path`` or,
+    if it is missing, in its nearest existing parent, and removed again (nothing is left behind, and processes
+    checking the same path at once do not meet)."""
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
         return "is a file, expected a folder for the run's outputs"
     probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         return f"cannot be created: {probe} is a file"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"cannot be written: no write permission on {probe}"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".cg_lightning-write-check-", dir=probe))
+    except OSError as exc:
+        verb = "written" if probe == path else "created"
+        return f"cannot be {verb}: making a folder in {probe} failed: {exc.strerror or exc}"
     return None
 
 

@@ -8,6 +8,10 @@ Each is a ``RuntimeError`` whose message names the layer or call, the cause and 
 class GraphCaptureError(RuntimeError):
     """A layer could not be captured; the message names the layer and the cause."""
 
+    #: the :class:`HostSyncError` that made the capture fail, when that was the cause: the message quotes it whole
+    #: (operation and source line), so it is not chained as ``__cause__``
+    host_sync = None
+
 
 class GraphSignatureError(RuntimeError):
     """A call's arguments differ from those a graph was captured with (shape policy ``"error"``)."""

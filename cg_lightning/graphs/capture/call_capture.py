@@ -93,7 +93,7 @@ class CallCapture:
         except GraphCaptureError:
             raise
         except Exception as exc:
-            raise GraphCaptureError(guards.capture_failure(self.name, "warmup", exc)) from exc
+            raise guards.capture_error(self.name, "warmup", exc) from guards.chained_cause(exc)
 
     def _warmup_passes(self) -> None:
         inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in self.static_inputs]
@@ -137,7 +137,7 @@ class CallCapture:
         except GraphCaptureError:
             raise
         except Exception as exc:  # host syncs, CPU tensors, data-dependent control flow ...
-            raise GraphCaptureError(guards.capture_failure(self.name, "forward", exc)) from exc
+            raise guards.capture_error(self.name, "forward", exc) from guards.chained_cause(exc)
         self._bypassed_regions = regions
         outs = self._autograd_outputs
         self.output_requires_grad = [o.requires_grad for o in outs]
@@ -281,7 +281,7 @@ class CallCapture:
         except GraphCaptureError:
             raise
         except Exception as exc:
-            raise GraphCaptureError(guards.capture_failure(self.name, "backward", exc)) from exc
+            raise guards.capture_error(self.name, "backward", exc) from guards.chained_cause(exc)
         finally:
             self._recording = None
         self._set_plan(ReplayPlan.at_capture(occurrences, self.routing, self._bypassed_regions,

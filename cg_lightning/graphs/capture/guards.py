@@ -116,9 +116,27 @@ SPLIT_HINT = ("set graphs.on_capture_error='split' to graph the layer's parts an
 def failure_cause(exc: BaseException) -> str:
     """The first line of what made a capture fail: the host synchronization (operation and source line) when
     that was the cause, else ``exc``'s own first line."""
-    inner = exc.__cause__ if isinstance(exc.__cause__, HostSyncError) else exc
+    inner = getattr(exc, "host_sync", None) or exc.__cause__
+    inner = inner if isinstance(inner, HostSyncError) else exc
     text = str(inner).strip()
     return text.splitlines()[0] if text else type(inner).__name__
+
+
+def capture_error(name: str, what: str, exc: BaseException) -> GraphCaptureError:
+    """:func:`capture_failure` as the error to raise, ``from`` :func:`chained_cause`; a host synchronization that
+    made the capture fail is kept as its ``host_sync``."""
+    error = GraphCaptureError(capture_failure(name, what, exc))
+    if isinstance(exc, HostSyncError):
+        error.host_sync = exc
+    return error
+
+
+def chained_cause(exc: BaseException) -> Optional[BaseException]:
+    """What a :func:`capture_error` is raised from: ``exc``, whose traceback shows where inside the layer it
+    failed; ``None`` for a host synchronization that names its source line: the error quotes all it says, and
+    chained, the same words and line would be shown twice."""
+    text = str(exc).strip()
+    return None if isinstance(exc, HostSyncError) and " at File " in text and "\n" not in text else exc
 
 
 def capture_failure(name: str, what: str, exc: BaseException) -> str:

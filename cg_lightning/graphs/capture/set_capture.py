@@ -55,8 +55,8 @@ def capture_calls(
                 raise
             layer = calls[runners.index(blamed[0])].layer
             if on_capture_error == "raise":
-                if layer.name not in str(exc):
-                    raise GraphCaptureError(f"layer {layer.name!r}: {exc}") from exc
+                if layer.name not in str(exc):  # the same error, naming the layer: not a copy chained to itself
+                    exc.args = (f"layer {layer.name!r}: {exc}", *exc.args[1:])
                 raise
             on_failed(layer, exc)
             calls = [c for c in calls if c.layer is not layer]
