@@ -298,3 +298,36 @@ def test_unions_of_int_and_float_try_int_first():
     int_before_float(SimpleNamespace(_actions=[action, untouched, SimpleNamespace()]))
     assert typing.get_args(action._typehint) == (int, float, type(None))
     assert untouched._typehint == typing.Optional[str]
+
+
+def test_the_command_line_lets_openmp_threads_sleep_before_torch_loads(tmp_path):
+    """``python -m cg_lightning`` sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set) before torch, and so its OpenMP
+    runtime, is imported: the policy is read once, at load. A policy the user set is kept."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, subprocess_env
+
+    probe = textwrap.dedent("""
+        import importlib.abc, os, runpy, sys
+        seen = []
+        class Watch(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch":  # what torch would read; then stop (the rest is not this test's)
+                    seen.append(os.environ.get("OMP_WAIT_POLICY"))
+                    raise KeyboardInterrupt
+        sys.meta_path.insert(0, Watch())
+        sys.argv = ["cg_lightning", "--help"]
+        try:
+            runpy.run_module("cg_lightning", run_name="__main__", alter_sys=True)
+        except (SystemExit, KeyboardInterrupt):
+            pass
+        print("AT TORCH IMPORT", seen)
+    """)
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in subprocess_env().items() if k != "OMP_WAIT_POLICY"}
+        if given:
+            env["OMP_WAIT_POLICY"] = given
+        done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert f"AT TORCH IMPORT [{expected!r}]" in done.stdout, done.stdout[-1000:] + done.stderr[-2000:]
