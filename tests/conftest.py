@@ -1,13 +1,8 @@
 import os
 import sys
 
-# OpenMP threads that wait by sleeping instead of spinning, in this process and every one the tests start: several
-# CPU processes share 2 cores here, and a spinning thread holds a core its own process's other thread needs
-# (docs/cli.md: the command line sets the same). Set before torch loads its OpenMP runtime.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

@@ -1,8 +1,7 @@
 """Layering that holds at run time: the engine packages load torch only, and ``import cg_lightning`` still
 registers the strategy with each Lightning package (``lightning.pytorch``, ``pytorch_lightning``), whichever is
-imported first. Each case runs in a fresh interpreter (what an earlier test imported would hide a violation); all of
-them start at once, on first use (each imports torch and Lightning: about 17 s of CPU), and each test reads its
-own."""
+imported first. Each case runs in an interpreter of its own (what an earlier test imported would hide a violation):
+children forked, all at once on first use, from one process that imported torch only; each test reads its own."""
 
 import ast
 import importlib.util
@@ -13,21 +12,69 @@ import textwrap
 import pytest
 
 from tests.helpers import ROOT
-from tests.launchers import StartedTogether
 
 FRONT_ENDS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "omegaconf")
 TORCH_ONLY = ("graphs", "ddp", "optim", "torch_compat")
 TORCH_ONLY_MODULES = ("protocol.py", "phase.py", "option_checks.py", "collate.py", "main_grad_adds.py")
 
 
-class _Interpreters(StartedTogether):
+#: forks one child per case after importing torch (and nothing of the package or a front end), so each case is a
+#: fresh interpreter as far as these tests can tell without paying torch's import again (about 4 s of CPU a case)
+_ZYGOTE = """
+import json, os, sys, traceback
+import torch
+folder, cases = sys.argv[1], json.loads(sys.stdin.read())
+children = {}
+for name, code in cases.items():
+    pid = os.fork()
+    if pid == 0:
+        for fd, suffix in ((1, ".out"), (2, ".err")):
+            os.dup2(os.open(os.path.join(folder, name + suffix), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.stdout, sys.stderr = os.fdopen(1, "w", buffering=1), os.fdopen(2, "w", buffering=1)
+        try:
+            exec(compile(code, name, "exec"), {"__name__": "__main__"})
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(status)
+    children[pid] = name
+statuses = {}
+while children:
+    pid, status = os.wait()
+    statuses[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps(statuses))
+"""
+
+
+class _Interpreters:
+    """The module's cases, each run as a child of one process that imported torch only (:data:`_ZYGOTE`), all at
+    once on first use."""
+
+    def __init__(self) -> None:
+        self.cases = {}
+        self.statuses = None
+        self.folder = None
+
     def add(self, name: str, code: str) -> None:
-        super().add(name, [sys.executable, "-c", textwrap.dedent(code)], dict(os.environ, PYTHONPATH=ROOT))
+        self.cases[name] = textwrap.dedent(code)
 
     def output(self, name: str) -> str:
-        done = self.result(name)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout
+        if self.statuses is None:
+            import json
+            import subprocess
+            import tempfile
+
+            self.folder = tempfile.mkdtemp(prefix="layering-")
+            done = subprocess.run([sys.executable, "-c", _ZYGOTE, self.folder], input=json.dumps(self.cases),
+                                  cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                                  timeout=300)
+            assert done.returncode == 0, done.stderr[-3000:]
+            self.statuses = json.loads(done.stdout.strip().splitlines()[-1])
+        read = lambda suffix: open(os.path.join(self.folder, name + suffix)).read()  # noqa: E731
+        assert self.statuses[name] == 0, read(".err")[-3000:]
+        return read(".out")
 
 
 _INTERPRETERS = _Interpreters()
