@@ -233,6 +233,9 @@ SLIPPED = [
                  f"mapping, at column 2 and at column 16; {KEEP_ONE}", id="duplicate-key-in-an-override"),
     pytest.param({}, ["--=5"], "command line: '--=5': names no key; overrides are written --KEY=VALUE "
                  "(--trainer.max_steps=5)", id="override-without-a-key"),
+    pytest.param({}, ["--trainer.val_check_interval=100000"], "command line: trainer.val_check_interval: the Trainer "
+                 "refused it: `val_check_interval` (100000) must be less than or equal to the number of the training "
+                 "batches", id="val-check-interval-beyond-the-epoch"),
     # as root, os.access allows writing anywhere, /proc too; making the folder there fails
     pytest.param({}, ["--trainer.default_root_dir=/proc/forbidden/runs"], "command line: trainer.default_root_dir: "
                  "'/proc/forbidden/runs' cannot be created: making a folder in /proc failed: ",

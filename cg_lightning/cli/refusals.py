@@ -190,13 +190,23 @@ def _data_problem(exc: BaseException, datamodule: Any, data_config: Any) -> Opti
     return Problem(key, f"{kind}{text}")
 
 
+def _raised_by_lightning_loops(exc: BaseException) -> bool:
+    """``exc`` was raised by the code of Lightning's Trainer or loops themselves (checks of the Trainer's arguments
+    against the data made at the start of a loop), not by user code they called."""
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    module = frames[-1][0].f_globals.get("__name__", "") if frames else ""
+    return module.startswith(tuple(f"{p}.{sub}" for p in ("lightning.pytorch", "pytorch_lightning")
+                                   for sub in ("loops", "trainer")))
+
+
 def run_time_problems(exc: BaseException, section: Any, datamodule: Any = None) -> Optional[List[Problem]]:
     """The lines of a refusal raised before the first batch; ``None`` for any other exception (it keeps its
     traceback). ``section`` is the parsed configuration (its ``trainer`` and ``data``), ``datamodule`` the built one.
 
     Refusals: a :class:`ConfigError` (its option keys, ``graphs.*`` / ``ddp.*``, made full:
-    ``trainer.strategy.init_args.graphs.layers``); a Lightning ``MisconfigurationException``; an ``OSError`` or
-    ``ValueError`` from the data module's own hooks (a data file missing, empty, too short, not text).
+    ``trainer.strategy.init_args.graphs.layers``); a Lightning ``MisconfigurationException``, or a ``ValueError``
+    raised by Lightning's Trainer or loops themselves (``val_check_interval`` beyond the epoch's batches); an
+    ``OSError`` or ``ValueError`` from the data module's own hooks (a data file missing, empty, too short, not text).
     """
     trainer_config = section.get("trainer") if hasattr(section, "get") else None
     if isinstance(exc, ConfigError):
@@ -213,6 +223,8 @@ def run_time_problems(exc: BaseException, section: Any, datamodule: Any = None) 
     if isinstance(exc, MisconfigurationException):
         if re.search(r"No `\w+_step\(\)` method defined", str(exc)):  # the model cannot run this subcommand
             return [Problem("model.class_path", first_line(exc))]
+        return [trainer_problem(exc, trainer_config)]
+    if isinstance(exc, ValueError) and _raised_by_lightning_loops(exc):  # `val_check_interval` beyond the epoch
         return [trainer_problem(exc, trainer_config)]
     data = _data_problem(exc, datamodule, section.get("data") if hasattr(section, "get") else None)
     return None if data is None else [data]

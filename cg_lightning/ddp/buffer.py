@@ -10,12 +10,19 @@ from ..protocol import set_main_grad
 from .bucket import Bucket
 
 
+#: where each parameter's ``main_grad`` starts in the buffer: the alignment of CUDA's vectorized 16-byte loads
+ALIGN_BYTES = 16
+
+
 class GradBuffer:
     """One flat gradient buffer for the parameters of one ``main_grad`` dtype.
 
     Parameters are laid out in *reverse* order, so the buffer fills from its start as the backward walks
     the model from the last layer to the first, and buckets (contiguous slices of at most
-    ``bucket_size_bytes``; a parameter never spans two) become ready in order (Megatron-LM's layout).
+    ``bucket_size_bytes``; a parameter never spans two) become ready in order (Megatron-LM's layout). Each
+    parameter starts at a multiple of :data:`ALIGN_BYTES`, as a gradient tensor of its own would: CUDA's multi-tensor
+    kernels take their vectorized path only for aligned tensors, and the norm ``clip_grad_norm_`` takes through them
+    sums in another order on the other path (a gradient after a 1-element bias came out 1 ulp off torch DDP's).
 
     Args:
         params: parameters in forward (``module.parameters()``) order.
@@ -47,7 +54,9 @@ class GradBuffer:
         groups: List[List[torch.nn.Parameter]] = []
         offset = bucket_start = 0
         bucket_params: List[torch.nn.Parameter] = []
+        align = max(1, ALIGN_BYTES // element)
         for i, p in enumerate(ordered):
+            offset += -offset % align  # zeros that no parameter views
             self.offsets.append((p, offset))
             offset += p.numel()
             bucket_params.append(p)
