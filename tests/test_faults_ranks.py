@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from cg_lightning.ddp import peers, progress
-from tests.helpers import DIST_VARS, ROOT, free_port
+from tests.helpers import ROOT, free_port
 from tests.launchers import Jobs, clean_env, job_log, torchrun
 
 TIMEOUT_S = 10.0
@@ -351,21 +351,12 @@ def test_accelerate_sigterm_to_one_rank_stops_all_saves_and_resumes_exactly(tmp_
     print(f"SIGTERM to rank 1 after step {steps[0]}: both ranks exited 143 {took:.1f} s later; the resume is exact")
 
 
-def test_accelerate_one_process_check_preemption_and_exit(monkeypatch):
+def test_accelerate_one_process_check_preemption_and_exit(fresh_accelerate_state):
     """One process: a SIGTERM is noted, not fatal; ``check_preemption`` is then true, ``exit_preempted`` exits with
     143 and gives SIGTERM its handler back."""
-    import torch.distributed as dist
-    from accelerate.state import AcceleratorState, GradientState
-
     from cg_lightning.accelerate import CUDAGraphAccelerator
     from tests.scripts.accelerate_cases import Net
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for var in DIST_VARS:
-        monkeypatch.delenv(var, raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
     before = signal.getsignal(signal.SIGTERM)
     acc = CUDAGraphAccelerator(cpu=True, graphs={"warmup_steps": 1, "backend": "eager"})
     acc.prepare(Net())  # the engine: one process, nothing to agree with
@@ -377,5 +368,3 @@ def test_accelerate_one_process_check_preemption_and_exit(monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         acc.exit_preempted()
     assert exit_info.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()

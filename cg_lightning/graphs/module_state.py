@@ -27,7 +27,6 @@ from torch.nn.modules import module as _nn_module
 REQUIRES_GRAD = operator.attrgetter("requires_grad")  # C-level getters: checked at every replay
 TRAINING = operator.attrgetter("training")
 _SCALARS = (bool, int, float, str, type(None))
-_MISSING = object()
 
 
 class _Registrations:
@@ -82,7 +81,9 @@ class ModuleState:
     def snapshot_attributes(self) -> None:
         """Record the attributes' values as they are now (after a capture, whose eager runs may set some)."""
         self._slots = _attribute_slots(self.modules if self.root_attributes else self.modules[1:])
-        self._values = [d.get(k, _MISSING) for d, k in self._slots]
+        self._dicts = [d for d, _ in self._slots]
+        self._keys = [k for _, k in self._slots]
+        self._values = list(map(dict.get, self._dicts, self._keys))
 
     # ----------------------------------------------------------------- the checks, cheapest first
     def structure_matches(self) -> bool:
@@ -102,7 +103,7 @@ class ModuleState:
         return tuple(map(REQUIRES_GRAD, self.params)) == self._grads_needed
 
     def attributes_match(self) -> bool:
-        return [d.get(k, _MISSING) for d, k in self._slots] == self._values
+        return list(map(dict.get, self._dicts, self._keys)) == self._values  # C-level: checked at every replay
 
     def match(self) -> bool:
         return self.structure_matches() and self.modes_match() and self.params_match() and self.attributes_match()
@@ -132,7 +133,7 @@ class ModuleState:
         if not self.attributes_match():
             names = {id(m.__dict__): n for n, m in self.named_modules}
             changed = [f"{names.get(id(d), '?')}.{k}: {was!r} -> {d.get(k, '(removed)')!r}".lstrip(".")
-                       for (d, k), was in zip(self._slots, self._values) if not _equal(d.get(k, _MISSING), was)]
+                       for (d, k), was in zip(self._slots, self._values) if not _equal(d.get(k), was)]
             out.append(f"attribute(s) changed since capture, which the captured kernels hold as constants: "
                        f"{', '.join(changed)}")
         return out
