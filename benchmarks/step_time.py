@@ -1,4 +1,4 @@
-"""Step time of the example GPT or a transformers Llama under eighteen training setups, side by side in one process.
+"""Step time of the example GPT or a transformers Llama under twenty-three training setups, side by side in one process.
 
 On a GPU, from the repository root::
 
@@ -20,7 +20,7 @@ Peers (same model, random-token data, bf16 autocast over fp32 weights, AdamW(fus
 * ``cudagraph_ddp``: Lightning with this project's strategy and its defaults (segments, direct grad-ready, the
   fused AdamW step on cached tensor lists); ``cudagraph_ddp_layers``: one graph per block call, those three off;
   ``cudagraph_ddp_nocache``: the defaults with ``optimizer.step()`` as is; ``cudagraph_ddp_opt``: the defaults
-  plus the optimizer step replayed from a graph (``graphs.capture_optimizer=True``, opt-in: not bit-exact);
+  plus the optimizer step replayed from a graph (``graphs.capture_optimizer=True``, opt-in);
   ``cudagraph_ddp_glue``: the defaults plus the embeddings, final norm and head graphed (``graphs.layers``);
   ``cudagraph_ddp_head``: the defaults plus the final norm and head graphed (the blocks' segment continues there);
   ``cudagraph_ddp_whole``: the whole forward one graphed call; ``cudagraph_ddp_compile`` and

@@ -71,11 +71,12 @@ def fit_gpt(strategy, steps: int, *, model_cls=GPTLightningModule, model=MODEL, 
     return module, rec, trainer, datamodule
 
 
-def fit_whole_epochs(strategy, steps: int, callbacks=(), ckpt_path=None, **trainer_kwargs):
-    """The PARITY_MODEL GPT with a per-step LR warmup on 40 windows of 33 bytes, 4 per batch: exactly
-    EPOCH_BATCHES batches per epoch, no validation split (a checkpoint at ``step=EPOCH_BATCHES`` lies on an epoch
-    boundary). Returns (model, recorder)."""
-    model, rec, trainer, _ = fit_gpt(strategy, steps, model=dict(PARITY_MODEL, warmup_lr_steps=15),
+def fit_whole_epochs(strategy, steps: int, callbacks=(), ckpt_path=None, model_kwargs=None, **trainer_kwargs):
+    """The PARITY_MODEL GPT with a per-step LR warmup (``model_kwargs`` override) on 40 windows of 33 bytes, 4 per
+    batch: exactly EPOCH_BATCHES batches per epoch, no validation split (a checkpoint at ``step=EPOCH_BATCHES`` lies
+    on an epoch boundary). Returns (model, recorder)."""
+    model = {**PARITY_MODEL, "warmup_lr_steps": 15, **(model_kwargs or {})}
+    model, rec, trainer, _ = fit_gpt(strategy, steps, model=model,
                                      data=dict(block_size=32, batch_size=4, val_fraction=0.0, max_bytes=40 * 33),
                                      callbacks=callbacks, ckpt_path=ckpt_path, **trainer_kwargs)
     assert trainer.num_training_batches == EPOCH_BATCHES

@@ -175,19 +175,16 @@ def test_graphs_disabled_and_no_cached_step():
 
 
 def test_captured_optimizer_step_on_the_eager_backend():
-    """``capture_optimizer`` with the eager backend (which runs the step again at every "replay"): the step graph
-    is prepared once the layers replay, captured a step later and replayed from then on; bit-identical; the
-    replay count survives ``close``."""
+    """``capture_optimizer`` with the eager backend (which runs the step again at every "replay") and a fused AdamW:
+    step 0 is torch's own (the cached lists are built after it), step 1 runs on the lists, step 2 records the step
+    and every later one replays it; bit-identical; the replay count survives ``close``."""
     data = _data(STEPS, 1)
-    ref_model, ref_losses = _eager(data, "adam", halve_between=False)
-    model, losses, driver, _ = _driven(data, "adam", False, _graphs(capture_optimizer=True))
+    ref_model, ref_losses = _eager(data, "adamw_fused", halve_between=False)
+    model, losses, driver, _ = _driven(data, "adamw_fused", False, _graphs(capture_optimizer=True))
     _assert_same(model, losses, ref_model, ref_losses)
-    # layers captured in step WARMUP's forward, so that step's optimizer step is already the prepared eager one;
-    # WARMUP + 1 captures the step, every later one replays (under Lightning, whose optimizer step encloses the
-    # forward, all of this comes one step later)
-    assert driver.optimizer_replays == STEPS - (WARMUP + 2)
+    assert driver.optimizer_replays == STEPS - 3
     driver.close()
-    assert driver.last_optimizer_replays == STEPS - (WARMUP + 2)
+    assert driver.last_optimizer_replays == STEPS - 3
 
 
 def test_built_by_parts_and_closed():

@@ -5,7 +5,7 @@ per-layer graphs on the blocks chained into segments, direct grad-ready; the var
 ``cudagraph_ddp_layers`` (per-layer graphs
 only: ``segments``, ``direct_grad_ready`` and ``cached_optimizer_step`` off), ``cudagraph_ddp_nocache`` (the
 defaults without ``cached_optimizer_step``: what the cached step saves), ``cudagraph_ddp_opt`` (the defaults
-plus ``capture_optimizer``: the step replayed from a graph, opt-in because not bit-exact),
+plus ``capture_optimizer``: a fused AdamW step replayed from a graph while its values hold, opt-in),
 ``cudagraph_ddp_glue`` (the defaults with the embeddings, final norm and head graphed too) and
 ``cudagraph_ddp_head`` (the defaults with the final norm and head graphed too: the blocks' segment continues into
 the head, the embeddings stay eager), ``cudagraph_ddp_whole`` (the whole model's forward as one graphed call:
@@ -30,6 +30,8 @@ _OFF = {**_PER_LAYER, "segments": False, "direct_grad_ready": False, "cached_opt
 GRAPHS_OF = {
     "cudagraph_ddp": {},
     "cudagraph_ddp_user_compile": {},
+    "cudagraph_ddp_step_opt": {"capture_optimizer": True},
+    "cudagraph_ddp_user_compile_opt": {"capture_optimizer": True},
     "cudagraph_ddp_per_layer": _PER_LAYER,
     "cudagraph_ddp_layers": _OFF,
     "cudagraph_ddp_nocache": {**_PER_LAYER, "cached_optimizer_step": False},
@@ -43,7 +45,7 @@ GRAPHS_OF = {
     "cudagraph_ddp_step_compile": {"whole_step": True, "layers": "whole", "compile": True},
 }
 #: peers whose LightningModule compiles its model itself (``self.model = torch.compile(self.model)``)
-USER_COMPILED = {"cudagraph_ddp_user_compile"}
+USER_COMPILED = {"cudagraph_ddp_user_compile", "cudagraph_ddp_user_compile_opt"}
 
 
 #: the ddp options of each peer beyond the defaults
@@ -146,6 +148,11 @@ def _variant(name: str, needs_cuda: bool, description: str) -> Peer:
 PEER_USER_COMPILE = _variant("cudagraph_ddp_user_compile", True,
                              "cudagraph_ddp's defaults on a model the LightningModule compiled itself "
                              "(self.model = torch.compile(self.model), default mode)")
+PEER_STEP_OPT = _variant("cudagraph_ddp_step_opt", False,
+                         "cudagraph_ddp's defaults plus graphs.capture_optimizer=True: the whole step's graph and the "
+                         "fused AdamW step's graph, two launches an iteration")
+PEER_USER_COMPILE_OPT = _variant("cudagraph_ddp_user_compile_opt", True,
+                                 "cudagraph_ddp_user_compile plus graphs.capture_optimizer=True")
 PEER_PER_LAYER = _variant("cudagraph_ddp_per_layer", False,
                           "cudagraph_ddp with graphs.whole_step=False: per-layer graphs on the blocks chained into "
                           "segments, direct grad-ready, the cached fused AdamW step")
@@ -155,8 +162,8 @@ PEER_LAYERS = _variant("cudagraph_ddp_layers", False,
 PEER_NOCACHE = _variant("cudagraph_ddp_nocache", False,
                         "cudagraph_ddp with graphs.cached_optimizer_step off: optimizer.step() as is")
 PEER_OPT = _variant("cudagraph_ddp_opt", False,
-                    "cudagraph_ddp plus graphs.capture_optimizer=True: the AdamW step replayed from a graph "
-                    "(capturable, learning rate as a device tensor; opt-in, not bit-exact)")
+                    "cudagraph_ddp plus graphs.capture_optimizer=True: the fused AdamW step replayed from a graph "
+                    "while its values hold (bit-exact; opt-in)")
 PEER_GLUE = _variant("cudagraph_ddp_glue", False,
                      "cudagraph_ddp with the glue graphed too: graphs.layers = the embeddings, the blocks, the final "
                      "norm and the head (the loss stays eager)")

@@ -4,7 +4,7 @@ events of a training step (listed in :mod:`cg_lightning.lifecycle`)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -53,16 +53,26 @@ class TrainingDriver:
         self.completed_steps = 0
         self.micro_batch_open = False
         self.layers_paused = False
-        self.step_backend = None  # graphs.whole_step: the backend its graphs capture with (:func:`.building.build_driver`)
         self._backward_due = False  # a micro-batch began since the last backward
         self._deferred = False  # a backward did not reach the model: its micro-batch waits for the next one
         self._captures_seen = 0
         self._optimizer_steps = OptimizerSteps(self.graph_options, graph_manager, engine)
+        self.step_backend = None
         self.last_graph_stats: Optional[GraphStats] = None
         self.last_optimizer_replays = 0
         self.last_cached_optimizer_steps = 0
         if engine is not None:
             self._connect(graph_manager, engine)
+
+    @property
+    def step_backend(self):
+        """``graphs.whole_step``: the backend its graphs capture with (:func:`.building.build_driver`), which the
+        optimizer's step graph also uses where no layer is graphed; ``None`` otherwise."""
+        return self._optimizer_steps.step_backend
+
+    @step_backend.setter
+    def step_backend(self, backend) -> None:
+        self._optimizer_steps.step_backend = backend
 
     @staticmethod
     def _connect(graph_manager: Optional[GraphManager], engine: DataParallelEngine) -> None:
@@ -196,8 +206,8 @@ class TrainingDriver:
     @contextlib.contextmanager
     def stepping(self, optimizer: torch.optim.Optimizer, refusal: Optional[str] = None) -> Iterator[None]:
         """Inside, ``optimizer.step(closure)`` is, where it applies: the captured step graph
-        (``graphs.capture_optimizer``, once the layers replay: one eager step prepared for capture, then the
-        capture, then replays), else the cached fused Adam step (``graphs.cached_optimizer_step``), else the
+        (``graphs.capture_optimizer``, once the layers replay: a fused Adam/AdamW step recorded and replayed while
+        its values hold), else the cached fused Adam step (``graphs.cached_optimizer_step``), else the
         optimizer's own ``step`` (:mod:`.optimizer_steps`).
 
         Args:
@@ -244,11 +254,6 @@ class TrainingDriver:
     def optimizer_replays(self) -> int:
         """Optimizer steps replayed from a graph so far (``graphs.capture_optimizer``)."""
         return self._optimizer_steps.replays
-
-    def optimizer_state_view(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> Dict[str, Any]:
-        """``optimizer.state_dict()`` output ``state`` with ``capturable`` as the user set it (a captured step
-        sets it on every group), so a checkpoint loads anywhere."""
-        return self._optimizer_steps.state_view(optimizer, state)
 
     # ------------------------------------------------------------------------------------ capture summary
     def capture_summary(self) -> Optional[CaptureSummary]:

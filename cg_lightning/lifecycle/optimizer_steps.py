@@ -2,15 +2,15 @@
 
 Per optimizer, chosen where it applies, in this order: the sharded step (``ddp.distributed_optimizer``: the
 optimizer's update on this rank's shard, then the parameters' all-gather started, waited for by the next forward
-under ``ddp.overlap_param_gather``; never captured), the captured step graph (``graphs.capture_optimizer``,
-once the layers replay: one eager step prepared for capture, then the capture, then replays; refused with a
-reason, e.g. a ``ddp.grad_dtype`` other than the parameters'), the cached fused Adam step
+under ``ddp.overlap_param_gather``; never captured), the step graph (``graphs.capture_optimizer``, once the
+layers replay: a fused Adam/AdamW step recorded and replayed while its values hold, else the cached step; refused
+with a reason, e.g. a ``ddp.grad_dtype`` other than the parameters'), the cached fused Adam step
 (``graphs.cached_optimizer_step``), else the optimizer's own ``step``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -28,8 +28,12 @@ class OptimizerSteps:
 
     Args:
         graph_options: read at every step (``capture_optimizer``, ``cached_optimizer_step``).
-        graph_manager: the layers' manager; ``None``: every optimizer takes its own step.
+        graph_manager: the layers' manager, or ``None``.
         engine: the data-parallel engine (its parameters' ``main_grad`` dtype), or ``None``.
+
+    Attributes:
+        step_backend: the whole-step graphs' backend (set by the driver), or ``None``. With neither a manager nor
+            this backend, every optimizer takes its own step.
     """
 
     def __init__(self, graph_options: GraphOptions, graph_manager: Optional[GraphManager],
@@ -37,6 +41,7 @@ class OptimizerSteps:
         self.graph_options = graph_options
         self.graph_manager = graph_manager
         self.engine = engine
+        self.step_backend = None
         self._graphs: Dict[int, OptimizerStepGraph] = {}  # id(optimizer) -> its step graph
         self._cached: Dict[int, Optional[CachedFusedAdamStep]] = {}  # id(optimizer) -> cached fused step
         self._sharded: Dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharded step
@@ -73,9 +78,7 @@ class OptimizerSteps:
         cached = self._cached_step(optimizer)
         if graph is not None and graph.phase in OPTIMIZER_GRAPH_ACTIVE:
             return graph.step
-        if cached is not None and (graph is None or graph.phase == "eager"):
-            return cached.step
-        return None
+        return cached.step if cached is not None else None
 
     @property
     def cached_steps(self) -> int:
@@ -88,37 +91,29 @@ class OptimizerSteps:
         """Optimizer steps replayed from a graph so far (``graphs.capture_optimizer``)."""
         return sum(graph.replays for graph in self._graphs.values())
 
-    def state_view(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> Dict[str, Any]:
-        """``optimizer.state_dict()`` output ``state`` with ``capturable`` as the user set it."""
-        graph = self._graphs.get(id(optimizer))
-        return graph.state_dict_view(state) if graph is not None else state
-
     def close(self) -> None:
-        """Give the optimizers back the ``capturable`` setting the user gave them; forget every step (the
-        counters restart at 0) and take only the optimizers' own steps from now on."""
+        """Drop every step graph; forget every step (the counters restart at 0) and take only the optimizers' own
+        steps from now on."""
         self._cached = {}
         for sharded in self._sharded.values():
             sharded.close()
         self._sharded = {}
         for graph in self._graphs.values():
-            if graph.phase in OPTIMIZER_GRAPH_ACTIVE:
-                graph.restore()
+            graph.close()
         self._graphs = {}
-        self.graph_manager = self.engine = None
+        self.graph_manager = self.engine = self.step_backend = None
 
     def _graph(self, optimizer: torch.optim.Optimizer, refusal: Optional[str]) -> Optional[OptimizerStepGraph]:
-        """The optimizer's step graph once the layers replay and ``graphs.capture_optimizer`` is on; its groups
-        are prepared here, before the one eager step that precedes capture."""
-        manager = self.graph_manager
-        if manager is None or not self.graph_options.capture_optimizer:
+        """The optimizer's step graph under ``graphs.capture_optimizer`` (refused with one warning where it cannot
+        be exact)."""
+        backend = self._backend()
+        if backend is None or not self.graph_options.capture_optimizer:
             return None
         graph = self._graphs.get(id(optimizer))
         if graph is None:
-            if not manager.captured:
-                return None
-            graph = OptimizerStepGraph(optimizer, manager.backend)
+            reason = optimizer_refusal(optimizer, backend.name) or refusal
+            graph = OptimizerStepGraph(optimizer, backend, None if reason else self._cached_step(optimizer))
             self._graphs[id(optimizer)] = graph
-            reason = optimizer_refusal(optimizer, manager.backend.name) or refusal
             if reason is None and self.engine is not None and any(
                 main_grad(p).dtype != p.dtype for p in self.engine.params
             ):
@@ -126,16 +121,18 @@ class OptimizerSteps:
                           "of main_grad every step; leave ddp.grad_dtype unset to capture the step")
             if reason is not None:
                 graph.give_up(reason)
-            else:
-                graph.prepare()
         return graph
 
     def _cached_step(self, optimizer: torch.optim.Optimizer) -> Optional[CachedFusedAdamStep]:
         """The cached fused Adam/AdamW step for ``optimizer``, or ``None`` where it does not apply (option off,
         graphs off, another optimizer)."""
-        if self.graph_manager is None or not self.graph_options.cached_optimizer_step:
+        if self._backend() is None or not self.graph_options.cached_optimizer_step:
             return None
         key = id(optimizer)
         if key not in self._cached:
             self._cached[key] = None if fused_adam_refusal(optimizer) else CachedFusedAdamStep(optimizer)
         return self._cached[key]
+
+    def _backend(self):
+        """The backend graphs capture with: the layers' manager's, else the whole-step graphs', else ``None``."""
+        return self.graph_manager.backend if self.graph_manager is not None else self.step_backend

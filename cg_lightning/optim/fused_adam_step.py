@@ -37,7 +37,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from ..torch_compat import foreach_add_, fused_adam_kernel, group_tensors_by_device_and_dtype
-from .step_graph import has_step_hooks
+from ..torch_compat import optimizer_has_step_hooks as has_step_hooks
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _GRAD = operator.attrgetter("grad")
@@ -94,6 +94,8 @@ class CachedFusedAdamStep:
 
     Attributes:
         cached_steps: steps taken on the cached lists (the others were ordinary ``optimizer.step()`` calls).
+        generation: how many times the lists were dropped or rebuilt; what was recorded from one set of lists (a
+            captured step) is valid while this number is unchanged.
 
     Errors: none of its own; a step that does not meet the conditions in the module docstring is an
     ordinary ``optimizer.step()``, which raises what torch raises.
@@ -102,6 +104,7 @@ class CachedFusedAdamStep:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.cached_steps = 0
+        self.generation = 0
         self._groups: Optional[List[_Group]] = None
         self._param_groups: Optional[list] = None
         self._state: Any = None
@@ -116,14 +119,13 @@ class CachedFusedAdamStep:
             with torch.enable_grad():
                 loss = closure()
         opt = self.optimizer
-        if self._usable():
-            with torch.no_grad():
-                for cached in self._groups:
-                    _fused_update(opt, cached.group, cached.buckets)
+        if self.usable():
+            self.launch()
             self.cached_steps += 1
             return loss
         type(opt).step(opt)  # hooks, lazy state, GradScaler arguments: torch's own path
         self._groups = None
+        self.generation += 1
         if self._plain():
             self._groups = [_Group(opt, g) for g in opt.param_groups]
             self._param_groups, self._state = opt.param_groups, opt.state
@@ -131,6 +133,18 @@ class CachedFusedAdamStep:
             pairs = [(d, k) for d in self._state_dicts for k in _STATE_KEYS if k in d]  # amsgrad: checked per group
             self._state_items = ([d for d, _ in pairs], [k for _, k in pairs], [d.get(k) for d, k in pairs])
         return loss
+
+    def launch(self) -> None:
+        """The update on the cached lists, without any check (the caller checked :meth:`usable`): per group and
+        device/dtype bucket, the step counts + 1, then one fused kernel."""
+        opt = self.optimizer
+        with torch.no_grad():
+            for cached in self._groups:
+                _fused_update(opt, cached.group, cached.buckets)
+
+    def params(self) -> List[torch.Tensor]:
+        """The parameters the cached lists update (those that had a gradient when the lists were built)."""
+        return [p for cached in self._groups or () for bucket in cached.buckets for p in bucket[0]]
 
     def _plain(self) -> bool:
         """Conditions on the optimizer as a whole and on each group's settings (cheap: no per-parameter work)."""
@@ -144,7 +158,8 @@ class CachedFusedAdamStep:
                 return False
         return True
 
-    def _usable(self) -> bool:
+    def usable(self) -> bool:
+        """Whether the cached lists still describe the optimizer (the conditions of the module docstring)."""
         opt = self.optimizer
         groups = self._groups
         if groups is None or opt.param_groups is not self._param_groups or opt.state is not self._state:

@@ -14,7 +14,7 @@ faults and distributed-optimizer mixins, so their bounds and glue run inside the
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Generator, Iterator, Optional
+from typing import Any, Callable, Generator, Iterator, Optional
 
 import torch
 from torch.nn import Module
@@ -130,11 +130,3 @@ class StepHooksMixin:
     def optimizer_replays(self) -> int:
         """Optimizer steps replayed from a graph so far in this fit (``graphs.capture_optimizer``)."""
         return self.driver.optimizer_replays if self.driver is not None else 0
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        """The optimizer's state dict, with ``capturable`` as the user set it (a captured step sets it on every
-        group), so the checkpoint loads under any strategy."""
-        state = super().optimizer_state(optimizer)
-        raw = optimizer.optimizer if isinstance(optimizer, self._lightning_ns.optimizer_wrapper) else optimizer
-        return self.driver.optimizer_state_view(raw, state) if self.driver is not None else state

@@ -5,7 +5,8 @@ The step function captured (:mod:`cg_lightning.graphs.step.whole_step`) is Light
 ``main_grad`` zeroed, the precision plugin's ``backward`` and the engine's gradient sync. Lightning's closure runs
 around it as always; where it would call the backward, the strategy only runs the ``on_before_backward`` and
 ``on_after_backward`` hooks and exposes the gradients again. Clipping, ``on_before_optimizer_step``, the optimizer
-step (the cached fused Adam step, or the optimizer's own), schedulers, checkpoints and validation stay eager.
+step (its own graph under ``graphs.capture_optimizer``, the cached fused Adam step, or the optimizer's own),
+schedulers, checkpoints and validation stay outside the step's graph.
 
 ``self.log`` inside ``training_step`` is recorded at capture (a tensor logged is one of the graph's static
 outputs) and issued again after every replay, so the progress bar and the loggers see every step's values.
@@ -93,8 +94,6 @@ class LightningWholeStep:
     def _static_refusal(self) -> Optional[str]:
         reason = static_refusal(self.strategy)
         if reason is None and self.auto:
-            if self.options.capture_optimizer:
-                return "graphs.capture_optimizer is set, which captures the optimizer step beside per-layer graphs"
             manager = self.strategy.driver.graph_manager
             if manager is not None and any(layer.compiled for layer in manager.layers):
                 return ("the graphed layers' forwards are compiled one by one (graphs.compile, or layer.forward = "
@@ -246,7 +245,8 @@ class LightningWholeStep:
         self.announce(f"cg_lightning: captured the whole training step (forward, loss, backward, gradient sync) as "
                       f"one graph with the {self.graphs.backend.name} backend in {stats.capture_seconds:.2f} s"
                       + (f" ({stats.captures} batch signatures)" if stats.captures > 1 else "")
-                      + "; the optimizer step runs eagerly")
+                      + ("; the optimizer step is replayed from a graph of its own while its values hold"
+                         if self.options.capture_optimizer else "; the optimizer step runs eagerly"))
         return graph
 
     def _other_signature(self, batch: Any) -> Tuple[bool, Any]:
