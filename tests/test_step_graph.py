@@ -146,13 +146,36 @@ class _SwapStorage(Callback):
 
 def test_parameter_moved_to_new_storage_is_not_replayed():
     """``param.data`` replaced by a copy at step 7: a replay would update the old storage, so step 7 records the step
-    again (on CPU the eager backend shows the count; the storage check is what the GPU needs), step 8 replays;
+    anew (on CPU the eager backend shows the count; the storage check is what the GPU needs), step 8 replays;
     bit for bit "ddp" with the same replacement."""
     steps = 9
     ref_model, ref, _ = _fit("ddp", steps, callbacks=[_SwapStorage(7)])
     model, rec, trainer = _fit("cg", steps, callbacks=[_SwapStorage(7)])
     assert trainer.strategy.last_optimizer_replays == (7 - FIRST_REPLAY) + 1
     _assert_exact(model, rec, ref_model, ref, "parameter storage replaced")
+
+
+class _SwapGradStorage(Callback):
+    """At ``step``, just before the optimizer step, moves one gradient to new storage (``grad.data = copy``)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == self.step:
+            p = optimizer.param_groups[0]["params"][0]
+            p.grad.data = p.grad.data.clone()
+
+
+def test_gradient_moved_to_new_storage_is_not_replayed():
+    """A gradient's storage replaced just before the step at step 7: the graph would read the old storage, so step 7
+    records the step anew, step 8 again (the engine put the storage back before its backward), step 9 replays; bit
+    for bit "ddp" with the same replacement."""
+    steps = 10
+    ref_model, ref, _ = _fit("ddp", steps, callbacks=[_SwapGradStorage(7)])
+    model, rec, trainer = _fit("cg", steps, callbacks=[_SwapGradStorage(7)])
+    assert trainer.strategy.last_optimizer_replays == (7 - FIRST_REPLAY) + (steps - 9)
+    _assert_exact(model, rec, ref_model, ref, "gradient storage replaced")
 
 
 def test_grad_scaler_keeps_the_step_eager():

@@ -142,9 +142,10 @@ class CachedFusedAdamStep:
             for cached in self._groups:
                 _fused_update(opt, cached.group, cached.buckets)
 
-    def params(self) -> List[torch.Tensor]:
-        """The parameters the cached lists update (those that had a gradient when the lists were built)."""
-        return [p for cached in self._groups or () for bucket in cached.buckets for p in bucket[0]]
+    def tensors(self) -> List[torch.Tensor]:
+        """The parameters the cached lists update (those that had a gradient when the lists were built) and their
+        gradients."""
+        return [t for cached in self._groups or () for bucket in cached.buckets for t in (*bucket[0], *bucket[1])]
 
     def _plain(self) -> bool:
         """Conditions on the optimizer as a whole and on each group's settings (cheap: no per-parameter work)."""

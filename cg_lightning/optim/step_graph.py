@@ -12,14 +12,16 @@ with the groups' Python values as arguments, and replays the graph only while ev
 recorded ones (the idea of replaying the optimizer with the step: the PyTorch CUDA-graphs notes, "whole-network
 capture"; the exactness argument is this package's).
 
-Before every replay, else the step runs eagerly on the cached lists (the same kernels with the current values:
-exact, and no warning):
+Checked before every replay; where a check fails the step is recorded anew if its values equal the previous
+step's, else it runs eagerly on the cached lists (the same kernels with the current values: exact either way, and
+no warning):
 
 * the cached lists still describe the optimizer (:meth:`CachedFusedAdamStep.usable`: the same groups, state
   tensors and ``.grad`` tensors, no step hooks, no GradScaler) and were not rebuilt since the recording;
 * every group's ``lr``, ``betas``, ``weight_decay``, ``eps``, ``amsgrad``, ``maximize`` and
   ``decoupled_weight_decay`` equal the recorded values;
-* every updated parameter's storage is where the graph writes (``param.data = ...`` moves it).
+* every updated parameter's and gradient's storage is where the graph reads and writes (``param.data = ...``
+  moves it).
 
 A step whose values differ from the recording runs eagerly; the step is recorded again once the values held for
 two steps in a row (a constant learning rate, or a scheduler between changes), so a scheduler that changes the
@@ -112,7 +114,7 @@ class OptimizerStepGraph:
         self._graph = None
         self._values: Optional[tuple] = None  # the kernel values the graph was recorded with
         self._generation = -1  # the cached lists' generation it was recorded from
-        self._params: List[torch.Tensor] = []
+        self._tensors: List[torch.Tensor] = []
         self._ptrs: List[int] = []
         self._previous: Optional[tuple] = None  # the kernel values of the previous step
 
@@ -125,7 +127,7 @@ class OptimizerStepGraph:
 
     def close(self) -> None:
         """Drop the graph (its pool is freed with it)."""
-        self._graph, self._values, self._params, self._ptrs = None, None, [], []
+        self._graph, self._values, self._tensors, self._ptrs = None, None, [], []
 
     def step(self, closure: Optional[Callable[[], Any]]) -> Any:
         """What ``optimizer.step(closure)`` does now: run ``closure`` (forward, backward, clipping), then replay the
@@ -138,7 +140,7 @@ class OptimizerStepGraph:
             return loss
         values = kernel_values(self.optimizer)
         if self._graph is not None and values == self._values and cached.generation == self._generation \
-                and list(map(torch.Tensor.data_ptr, self._params)) == self._ptrs:
+                and list(map(torch.Tensor.data_ptr, self._tensors)) == self._ptrs:
             self._graph.replay()
             self.replays += 1
         elif values is not None and values == self._previous:
@@ -153,8 +155,8 @@ class OptimizerStepGraph:
         self.close()
         graph = self.backend.capture(_body(cached), self.backend.new_pool())
         self._graph, self._values, self._generation = graph, values, cached.generation
-        self._params = cached.params()
-        self._ptrs = list(map(torch.Tensor.data_ptr, self._params))
+        self._tensors = cached.tensors()
+        self._ptrs = list(map(torch.Tensor.data_ptr, self._tensors))
         self.captures += 1
         if self.backend.name == "cuda":
             graph.replay()  # a CUDA capture records the step without running it
