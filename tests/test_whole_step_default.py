@@ -180,6 +180,42 @@ def test_a_step_that_changes_a_value_it_reads_is_handed_to_per_layer_graphs_afte
     assert "training_step changes what it reads (self.history: [tensor(" in stats.refusal, stats
 
 
+class _Counter(nn.Module):
+    """Counts its calls in a public attribute: Python state a forward changes, which a replay would not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+class _CountsCalls(PlainStep):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.counter = _Counter()
+
+    def forward(self, x):
+        return super().forward(self.counter(x))
+
+
+def test_a_forward_that_changes_a_submodule_attribute_is_handed_to_per_layer_graphs_after_one_capture():
+    """A submodule counting its calls: both runs of the capture start from the count before it (so it rises by one in
+    that step, as under "ddp"), the change is seen after the capture and named, and the rest of the run has per-layer
+    graphs; the count and the training equal "ddp"."""
+    ref = train("ddp", _CountsCalls, max_steps=STEPS)
+    strategy = cg_strategy()
+    got, _ = _run(_CountsCalls, strategy)
+    assert_same(ref.facts(), got.facts())
+    assert got.model.counter.calls == ref.model.counter.calls == STEPS
+    stats = strategy.last_step_graph_stats
+    assert stats.captures == 1 and stats.replays == 0, stats
+    assert stats.refusal == ("the step's forward changes counter.calls: 2 -> 3 at every step, which a replay would not "
+                             "do"), stats
+
+
 def test_layers_compiled_one_by_one_keep_per_layer_graphs():
     """Layers whose forward is compiled (``graphs.compile``) are per-layer graphs' business: the default does not
     capture the whole step around them, and says so."""

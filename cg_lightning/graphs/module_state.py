@@ -85,6 +85,11 @@ class ModuleState:
         self._keys = [k for _, k in self._slots]
         self._values = list(map(dict.get, self._dicts, self._keys))
 
+    def restore_attributes(self) -> None:
+        """Put the recorded values back (each run at a capture starts from the same Python state)."""
+        for d, k, v in zip(self._dicts, self._keys, self._values):
+            d[k] = v
+
     # ----------------------------------------------------------------- the checks, cheapest first
     def structure_matches(self) -> bool:
         """The tree holds the same submodules, parameters and buffers (walked again only after a registration)."""

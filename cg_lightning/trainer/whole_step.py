@@ -187,9 +187,12 @@ class LightningWholeStep:
         kept = code.values() if code is not None else ()  # the watched values before the step ran
         runs = [0]
 
+        before = StepGuards(module)  # the submodules' attributes: each run at capture starts from them too
+
         def body(static_batch: Any) -> Any:
-            if runs[0] and code is not None:  # each run at capture starts from the same Python state
-                code.restore(kept)
+            if runs[0]:  # each run at capture starts from the same Python state
+                before.restore_attributes()
+                code is not None and code.restore(kept)
             runs[0] += 1
             calls.clear()
             module.log = LogRecorder(calls)
@@ -235,8 +238,9 @@ class LightningWholeStep:
                          + (f" (raised under {where})" if where else ""))
             return None
         changed = code.changed(kept) if code is not None else None
-        if changed is not None:  # e.g. self.history.append(...): a replay would not do it
-            self.give_up(f"training_step changes what it reads ({changed}), which a replay would not do")
+        changed = f"training_step changes what it reads ({changed})" if changed else before.changed_by_step()
+        if changed is not None:  # e.g. self.history.append(...) or a counter in a forward: a replay would not do it
+            self.give_up(f"{changed}, which a replay would not do")
             return graph  # this step's result stands: it ran as captured
         if self.guards is None:
             self.guards = StepGuards(module)

@@ -93,6 +93,19 @@ class StepGuards:
         """``None`` when all are as at construction; else the first difference, in words."""
         return self.state.first_change()
 
+    def restore_attributes(self) -> None:
+        """The submodules' scalar attributes back to their values at construction (made before a capture: each run
+        of the step function at capture starts from them)."""
+        self.state.restore_attributes()
+
+    def changed_by_step(self) -> Optional[str]:
+        """After a capture, for guards made before it: the attributes the step's own Python changed (a counter a
+        forward increments), which a replay would leave as they are, in words; ``None`` if none."""
+        if self.state.attributes_match():
+            return None
+        line = next(c for c in self.state.changes() if c.startswith("attribute"))
+        return "the step's forward changes " + line.split(": ", 1)[1] + " at every step"
+
 
 @dataclass
 class StepGraphStats:
