@@ -29,11 +29,18 @@ the fill is left out: ``0 + g`` is ``g`` in IEEE arithmetic (only a ``-0.0`` sha
 DDP's copy into its bucket leaves it), so the values are the same while the bytes moved per parameter drop from
 16 (a fill, then a read-read-write addition) to 8. A ``main_grad`` that gets no share is zeroed by
 :meth:`MainGradAdds.settle` before anything reads it.
+
+*Adopted first shares* (``adopt``, with ``fresh``): the first share itself becomes the ``main_grad``'s storage
+(``main_grad.data = share``), so no byte moves at all; a later share is added onto it. The share is autograd's own
+gradient tensor, which nothing else holds once the hook has dropped ``param.grad``. Only where nothing reads the
+buffer as one tensor (one process: no bucket is all-reduced) and the storage stays put afterwards (a graph's
+pool, written again by every replay): :meth:`DataParallelEngine.grad_adds_batched
+<cg_lightning.ddp.engine.DataParallelEngine.grad_adds_batched>` decides, and keeps or undoes the adoption.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -51,12 +58,15 @@ class MainGradAdds:
             :meth:`add` (one kernel per call, the per-layer behaviour).
         fresh: ``main_grad`` tensors whose values are to be taken as zero (left unfilled): the first share of
             each is copied in rather than added; :meth:`settle` zeroes those that got none.
+        adopt: a fresh ``main_grad``'s first share becomes its storage where it can (same shape, dtype and device,
+            contiguous) instead of being copied in.
 
     Attributes:
         queued: ids of the ``main_grad`` tensors that got at least one share through :meth:`add`.
+        adopted: ``(main_grad, its storage before)`` of every adopted first share, in order.
     """
 
-    def __init__(self, flush_bytes: int = FLUSH_BYTES, fresh: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(self, flush_bytes: int = FLUSH_BYTES, fresh: Sequence[torch.Tensor] = (), adopt: bool = False) -> None:
         self.flush_bytes = flush_bytes
         self._mains: List[torch.Tensor] = []
         self._addends: List[torch.Tensor] = []
@@ -66,6 +76,8 @@ class MainGradAdds:
         self._bytes = 0
         self._fresh: Dict[int, torch.Tensor] = {id(m): m for m in fresh}
         self.queued: Set[int] = set()
+        self.adopt = adopt
+        self.adopted: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def add(self, mains: Sequence[torch.Tensor], addends: Sequence[torch.Tensor], defer: bool = True) -> None:
         """Queue ``mains[i] += addends[i]`` (same shapes; ``mains`` fp32 ``main_grad`` buffers), in order.
@@ -78,6 +90,11 @@ class MainGradAdds:
             if key in self._pending:  # a second share of the same main_grad: the first goes in first
                 self.flush()
             if self._fresh.pop(key, None) is not None:
+                if self.adopt and _adoptable(main, addend):
+                    self.adopted.append((main, main.data))
+                    main.data = addend
+                    self.queued.add(key)
+                    continue
                 self._copy_into.append(main)
                 self._copied.append(addend)
             else:
@@ -111,3 +128,8 @@ class MainGradAdds:
         keys = list(self._fresh) if mains is None else [id(m) for m in mains if id(m) in self._fresh]
         if keys:
             foreach_zero_([self._fresh.pop(k) for k in keys])
+
+
+def _adoptable(main: torch.Tensor, share: torch.Tensor) -> bool:
+    return (share.shape == main.shape and share.dtype == main.dtype and share.device == main.device
+            and share.is_contiguous())

@@ -7,6 +7,7 @@ the engine's own timeout (``DDPOptions.timeout_s``) is 10 s there, so a hang wou
 block CI.
 """
 
+import copy
 import json
 import os
 
@@ -450,3 +451,67 @@ def test_fresh_buffers_equal_a_fill_and_a_main_grad_written_outside_the_hooks_is
     with pytest.raises(GradSyncError, match=r"'weight' reached main_grad without the engine's hook"):
         with engine.grad_adds_batched(fresh=True):
             lin(x).sum().backward()
+
+
+def _adopting_backward(engine, model, x, adopt=True):
+    engine.zero_grad_buffer(fill=False)
+    with engine.grad_adds_batched(fresh=True, adopt=adopt):
+        model(x).sum().backward()
+        engine.finish_grad_sync()
+
+
+def test_adopted_first_shares_become_the_main_grad_storage_and_are_kept_or_undone():
+    """One process, ``grad_adds_batched(fresh=True, adopt=True)``: each ``main_grad`` takes autograd's gradient tensor
+    as its storage (no copy), with the values of a filled run; ``undo`` puts every ``main_grad`` back into the buffer;
+    ``keep`` makes the adopted storage the home (restored after ``param.grad.data = x``, zeroed by
+    ``zero_grad_buffer``) and frees the buffer, and later backwards copy into it and equal eager training."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    ref = copy.deepcopy(model)
+    engine = DataParallelEngine(model, DDPOptions())
+    x = torch.randn(5, 4)
+    ref(x).sum().backward()
+    views = [p.main_grad.data_ptr() for p in model.parameters()]
+    _adopting_backward(engine, model, x)
+    assert all(p.main_grad.data_ptr() != v for p, v in zip(model.parameters(), views))  # not the buffer any more
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.main_grad, r.grad)
+    engine.adoption.undo()
+    assert [p.main_grad.data_ptr() for p in model.parameters()] == views and not engine.adoption.kept
+
+    _adopting_backward(engine, model, x)
+    engine.adoption.keep()
+    assert engine.adoption.kept and all(b.released for b in engine.buffers_)
+    assert engine.buffers_[0].data.untyped_storage().nbytes() == 0  # the buffer's memory is given back
+    homes = [p.main_grad.data_ptr() for p in model.parameters()]
+    engine.expose_grads()
+    first = model[0].weight
+    first.grad.data = first.grad.data.clone()  # moved away: put back (with its values) before the next backward
+    engine.take_back_grads()
+    assert [p.main_grad.data_ptr() for p in model.parameters()] == homes
+    engine.zero_grad_buffer()
+    assert all(p.main_grad.abs().sum() == 0 for p in model.parameters())
+    for _ in range(2):  # later backwards: no adoption (the home is kept), equal to eager training
+        ref.zero_grad(set_to_none=True)
+        ref(x).sum().backward()
+        _adopting_backward(engine, model, x)
+        assert [p.main_grad.data_ptr() for p in model.parameters()] == homes
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.main_grad, r.grad)
+
+
+def test_no_adoption_where_the_buffer_is_read_whole_or_the_dtypes_differ():
+    """``find_unused_parameters`` (its tracking reads the buckets) and a ``grad_dtype`` other than the parameters'
+    (a share of another dtype cannot be the storage): the first shares are copied, the buffer kept."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+    for options in (DDPOptions(find_unused_parameters=True), DDPOptions(grad_dtype="float32")):
+        model = torch.nn.Linear(4, 3)
+        if options.grad_dtype:
+            model = model.to(torch.bfloat16)
+        engine = DataParallelEngine(model, options)
+        views = [p.main_grad.data_ptr() for p in model.parameters()]
+        _adopting_backward(engine, model, x.to(next(model.parameters()).dtype))
+        engine.adoption.keep()
+        assert not engine.adoption.kept and not any(b.released for b in engine.buffers_), options
+        assert [p.main_grad.data_ptr() for p in model.parameters()] == views, options

@@ -46,15 +46,31 @@ def _run(model, strategy, **kwargs):
     return run, [str(w.message) for w in record if "cg_lightning" in str(w.message)]
 
 
+class _Adoption(Callback):
+    """What the engine's ``main_grad`` adoption looked like at the end of training (kept in a class attribute: the
+    run copies its callbacks)."""
+
+    seen: dict = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        engine = trainer.strategy.engine
+        type(self).seen = dict(kept=engine.adoption.kept, adopted=len(engine.adoption.mains),
+                               params=len(engine.params), released=[b.released for b in engine.buffers_])
+
+
 @pytest.mark.parametrize("body", ["modulelist", "sequential", "linear"])
 def test_a_plain_step_is_replayed_from_one_graph_by_default_and_equals_ddp(body):
+    """Replayed from one graph, bit for bit "ddp"; in one process every ``main_grad`` keeps the gradient tensor the
+    capture's backward made as its storage (nothing copied) and the buffer's memory is given back."""
     ref = train("ddp", lambda: PlainStep(body=body), max_steps=STEPS)
     strategy = cg_strategy()
-    got, warned = _run(lambda: PlainStep(body=body), strategy)
+    got, warned = _run(lambda: PlainStep(body=body), strategy, callbacks=[_Adoption()])
     assert_same(ref.facts(), got.facts())
     stats = strategy.last_step_graph_stats
     assert stats.captures == 1 and stats.replays == STEPS - 3 and stats.refusal is None, stats
     assert stats.fresh_main_grads
+    seen = _Adoption.seen
+    assert seen["kept"] and seen["adopted"] == seen["params"] and all(seen["released"]), seen
     assert warned == []  # a model without repeated layers ("linear") is graphed whole: nothing to warn about
 
 

@@ -66,6 +66,7 @@ class GradBuffer:
                 groups.append(bucket_params)
                 bucket_params, bucket_start = [], offset
         self.data = torch.zeros(offset, dtype=dtype, device=device)
+        self.released = False
         for p, start in self.offsets:
             set_main_grad(p, self.data[start : start + p.numel()].view_as(p))
         self.buckets: List[Bucket] = []
@@ -76,4 +77,11 @@ class GradBuffer:
         self.buckets.append(Bucket(first_index + len(self.buckets), list(params), self.data[start:end]))
 
     def zero_(self) -> None:
-        self.data.zero_()
+        if not self.released:
+            self.data.zero_()
+
+    def release(self) -> None:
+        """Free the buffer's memory (no ``main_grad`` views it any more: :mod:`.adoption`); its buckets' views are
+        left without storage, which one process never reads."""
+        self.data.untyped_storage().resize_(0)
+        self.released = True

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .. import protocol
 from ..main_grad_adds import MainGradAdds
+from .adoption import MainGradAdoption
 from .broadcast import broadcast_buffers, broadcast_states
 from .buffer import GradBuffer
 from .bucket import Bucket
@@ -128,6 +129,8 @@ class DataParallelEngine(GradExposure, nn.Module):
         self._buffer_views = [m.detach() for m in self._main_grads]
         self._buffer_ptrs = [v.data_ptr() for v in self._buffer_views]
         self._main_grads_same_dtype = all(g.dtype is p.dtype for p, g in zip(self.params, self._main_grads))
+        #: ``main_grad`` storage adopted from autograd's first shares under a graph of the whole step (:mod:`.adoption`)
+        self.adoption = MainGradAdoption(self)
         self.sync_enabled = True
         #: ``param.grad`` points at ``main_grad`` (:meth:`expose_grads`) and nothing has zeroed it since
         self.grads_exposed = False
@@ -203,7 +206,7 @@ class DataParallelEngine(GradExposure, nn.Module):
             self.sync_enabled = old
 
     @contextlib.contextmanager
-    def grad_adds_batched(self, fresh: bool = False) -> Iterator[MainGradAdds]:
+    def grad_adds_batched(self, fresh: bool = False, adopt: bool = False) -> Iterator[MainGradAdds]:
         """The hooks queue their ``main_grad += param.grad`` and launch them as few ``torch._foreach_add_`` kernels:
         before a bucket's all-reduce starts, when 64 MB are pending, and at the end. Bit-identical to one addition
         per parameter (:mod:`cg_lightning.main_grad_adds`); inside a graph of the whole step it replaces about one
@@ -211,13 +214,16 @@ class DataParallelEngine(GradExposure, nn.Module):
 
         ``fresh``: the buffers were not zeroed (:meth:`zero_grad_buffer` with ``fill=False``): each ``main_grad``'s
         first share is copied in, and those without one are zeroed before their bucket's all-reduce and at the end.
+        ``adopt`` (with ``fresh``; where :meth:`MainGradAdoption.possible <.adoption.MainGradAdoption.possible>`): the
+        first share becomes the ``main_grad``'s storage instead; ``self.adoption`` keeps or undoes it.
 
         Raises:
             GradSyncError: with ``fresh``, a ``main_grad`` written by something other than these hooks (a kernel
                 that sets ``grad_added_to_main_grad``, a graph replay) before its first share: it added onto values
                 that were never zeroed. Zero the buffer and call this without ``fresh``.
         """
-        adds = self.batched_adds = MainGradAdds(fresh=self._main_grads if fresh else ())
+        adds = self.batched_adds = MainGradAdds(fresh=self._main_grads if fresh else (),
+                                                adopt=fresh and adopt and self.adoption.possible())
         main_of = protocol.main_grad
         self.reducer.before_dispatch = lambda bucket: adds.settle([main_of(p) for p in bucket.params])
         try:
@@ -225,6 +231,7 @@ class DataParallelEngine(GradExposure, nn.Module):
             adds.settle()
         finally:
             adds.flush()
+            self.adoption.record(adds.adopted)
             self.batched_adds = None
             self.reducer.before_dispatch = None
 

@@ -16,6 +16,7 @@ from itertools import repeat
 import torch
 
 from .. import protocol
+from ..torch_compat import foreach_zero_
 
 _DATA_PTR = torch.Tensor.data_ptr
 _GRAD = operator.attrgetter("grad")
@@ -92,6 +93,8 @@ class GradExposure:
         but the fill, for a backward run under :meth:`grad_adds_batched` with ``fresh``, which stands for it."""
         for buf in self.buffers_ if fill else ():
             buf.zero_()
+        if fill and self.adoption.mains:  # storage adopted from autograd (:mod:`.adoption`)
+            foreach_zero_(self.adoption.mains)
         self._reattach_main_grads(keep_values=False)
         for p in self.params:
             p.grad = None

@@ -3,16 +3,21 @@
 :func:`static_refusal` reads the fit's set-up (manual optimization, a GradScaler, the distributed optimizer,
 hooks of the user's that would run only at capture); :class:`LogRecorder` stands in for ``self.log`` while the step
 is captured and refuses values a replay could not log again; :func:`raised_at` names the user's line of a capture
-that failed. Used by :mod:`cg_lightning.trainer.whole_step`.
+that failed; :func:`step_output` is what a replayed step returns to Lightning. Used by
+:mod:`cg_lightning.trainer.whole_step`.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import traceback
+from collections.abc import Mapping
 from typing import Any, List, Optional, Tuple
 
 import torch
+
+from .. import torch_compat
 
 _USER_HOOKS = ("backward", "optimizer_zero_grad", "on_before_zero_grad")  # would run at capture only
 #: packages whose properties and methods, read through ``self`` in a training step, reflect the loop's state
@@ -87,3 +92,20 @@ def static_refusal(strategy: Any) -> Optional[str]:
             return (f"the callback {type(callback).__name__} implements on_before_zero_grad, which would run "
                     "after the replayed backward instead of before it")
     return None
+
+
+def step_output(graph) -> Any:
+    """A replayed step's output (a :class:`~cg_lightning.graphs.step.whole_step.StepGraph`'s): every tensor other than
+    the loss (also in nested lists and dicts) is copied, since the next replay overwrites them and a callback may keep
+    a step's outputs (Lightning copies the loss itself)."""
+    out = graph.output()
+    if isinstance(out, Mapping):
+        out = copy.copy(out)
+        for key in out:
+            if key != "loss":
+                out[key] = torch_compat.tree_map(_copied, out[key])
+    return out
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value

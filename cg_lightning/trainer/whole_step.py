@@ -30,7 +30,6 @@ eagerly (``shape_policy="eager"``, one warning), raises (``"error"``) or is capt
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, List, Optional, Tuple
@@ -44,11 +43,8 @@ from ..graphs.errors import HostSyncError
 from ..graphs.selection import no_default_layers_message
 from ..graphs.step.step_code import StepCodeReport, check_step_code
 from ..graphs.step.whole_step import StepGraph, StepGraphs, StepGuards
-from .step_checks import FRAMEWORK, LogRecorder, StepCaptureRefused, raised_at, static_refusal
+from .step_checks import FRAMEWORK, LogRecorder, StepCaptureRefused, raised_at, static_refusal, step_output
 
-
-def _copied(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 class LightningWholeStep:
     """The whole-step graphs of one fit under the Lightning strategy.
@@ -172,7 +168,7 @@ class LightningWholeStep:
             graphs.replay(graph, batch)
         self._issue_logs(graph)
         self._backward_done = True
-        return True, self._output(graph)
+        return True, step_output(graph)
 
     def _capture(self, batch: Any, rest: tuple, kwargs: dict) -> Optional[StepGraph]:
         calls: List[Tuple[tuple, dict]] = []
@@ -208,7 +204,8 @@ class LightningWholeStep:
             fresh = stats.fresh_main_grads  # the first share of each main_grad copied in, the buffer left unfilled
             engine.zero_grad_buffer(fill=not fresh)
             strategy.driver.before_backward(loss)
-            with engine.grad_adds_batched(fresh) as adds:  # a few multi-tensor kernels instead of one a parameter
+            # a few multi-tensor kernels instead of one a parameter; one process: first shares adopted, not copied
+            with engine.grad_adds_batched(fresh, adopt=True) as adds:
                 strategy.precision_plugin.backward(loss, module, None)
                 if engine.sync_enabled:
                     engine.finish_grad_sync()
@@ -229,8 +226,11 @@ class LightningWholeStep:
                     f"({exc}); it is captured with the path code takes while a stream captures (transformers builds "
                     "an explicit attention mask), which may round differently from eager steps in bf16. Unset "
                     "graphs.whole_step to train such a step with per-layer graphs, exactly.", stacklevel=4)
+                strategy.engine.adoption.undo()
                 graph = self.graphs.capture(body, batch, module, extras=calls, compiled=compiled)
+            strategy.engine.adoption.keep()  # the gradients stay where the graph writes them
         except Exception as exc:  # noqa: BLE001 - any failure: per-layer graphs, and this step runs eagerly
+            strategy.engine.adoption.undo()
             strategy.engine.zero_grad_buffer()
             where = raised_at(exc)
             where = None if where is not None and where.split(": ", 1)[-1] in str(exc) else where  # named already
@@ -271,18 +271,6 @@ class LightningWholeStep:
         log = self.strategy.lightning_module.log
         for args, kwargs in graph.extras:
             log(*args, **kwargs)
-
-    @staticmethod
-    def _output(graph: StepGraph) -> Any:
-        """The step's output; every tensor other than the loss (also in nested lists and dicts) is copied, since the
-        next replay overwrites them and a callback may keep a step's outputs (Lightning copies the loss itself)."""
-        out = graph.output()
-        if isinstance(out, Mapping):
-            out = copy.copy(out)
-            for key in out:
-                if key != "loss":
-                    out[key] = torch_compat.tree_map(_copied, out[key])
-        return out
 
     def take_backward(self) -> bool:
         """Whether the step just replayed (or captured) already ran the backward Lightning is about to ask for."""
