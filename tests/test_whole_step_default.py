@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, seed_everything
 
 from tests.helpers import cg_strategy, make_trainer
-from tests.lightning_models import ParityModel, loader
+from tests.lightning_models import Block, ParityModel, loader
 from tests.lightning_runs import assert_same, train
 
 STEPS = 8  # warmup steps 0-1, capture in step 2, replays in steps 3-7
@@ -230,6 +230,41 @@ def test_a_forward_that_changes_a_submodule_attribute_is_handed_to_per_layer_gra
     assert stats.captures == 1 and stats.replays == 0, stats
     assert stats.refusal == ("the step's forward changes counter.calls: 2 -> 3 at every step, which a replay would not "
                              "do"), stats
+
+
+class _CountingBlock(Block):
+    """A repeated (graphed) block whose own forward counts its calls."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__(d)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+class _CountingBlocks(PlainStep):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(body="modulelist", **kwargs)
+        d = self.body.blocks[0].fc.in_features
+        self.body.blocks = nn.ModuleList([_CountingBlock(d) for _ in self.body.blocks])
+
+
+@pytest.mark.parametrize("whole_step", [None, False], ids=["default", "per-layer"])
+def test_a_graphed_block_that_counts_its_calls_runs_its_own_forward_eagerly(whole_step):
+    """The counter is inside the graphed blocks: their capture is refused at its warmup (the forward changed
+    ``calls``), the values put back, and (split by default) the blocks' own forward runs eagerly around their graphed
+    parts; under the default the whole step has given up first. Counts and training equal "ddp"; the warning names
+    the attribute."""
+    ref = train("ddp", _CountingBlocks, max_steps=STEPS)
+    strategy = cg_strategy(whole_step=whole_step)
+    got, warned = _run(_CountingBlocks, strategy)
+    assert_same(ref.facts(), got.facts())
+    assert [b.calls for b in got.model.body.blocks] == [b.calls for b in ref.model.body.blocks] == [STEPS] * 3
+    assert any("its forward changes calls: " in w and "at every call" in w for w in warned), warned
+    stats = strategy.last_graph_stats
+    assert stats.failed_layers == [] and sorted(stats.graphed_parts) == [f"body.blocks.{i}.fc" for i in range(3)], stats
 
 
 def test_layers_compiled_one_by_one_keep_per_layer_graphs():

@@ -35,6 +35,7 @@ from ..errors import GraphCaptureError
 from .host_sync import refuse_host_sync
 from ..replay.input_pieces import InputPieces, piece_inputs
 from ..errors import OutputStructureError
+from ..module_state import ModuleState
 from ..outputs import split_outputs
 from ..replay.replay_plan import ReplayPlan, foreign_in
 from ..replay.routing import Routing
@@ -88,12 +89,14 @@ class CallCapture:
         """
         guards.refuse_capture_only_hooks(self.name, self.module)
         guards.refuse_saved_tensor_hooks(self.name)
+        state = ModuleState(self.module)  # the attributes before the passes: a forward must leave them as they are
         try:
             self._warmup_passes()
         except GraphCaptureError:
             raise
         except Exception as exc:
             raise guards.capture_error(self.name, "warmup", exc) from guards.chained_cause(exc)
+        guards.refuse_python_state_changes(self.name, state)
 
     def _warmup_passes(self) -> None:
         inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in self.static_inputs]

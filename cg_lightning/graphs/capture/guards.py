@@ -33,6 +33,22 @@ def refuse_capture_only_hooks(name: str, module: torch.nn.Module) -> None:
         )
 
 
+def refuse_python_state_changes(name: str, state) -> None:
+    """A forward that changes a number, string or flag attribute of the layer or a submodule at every call (a
+    counter: ``state``, a :class:`~..module_state.ModuleState` made before the warmup passes, differs now) would change
+    it at capture only, since a replay runs no Python: the values are put back and the capture refused, naming
+    them."""
+    if state.attributes_match():
+        return
+    line = next(c for c in state.changes() if c.startswith("attribute"))
+    state.restore_attributes()
+    raise GraphCaptureError(
+        f"could not capture layer {name!r}: its forward changes {line.split(': ', 1)[1]} at every call, which a "
+        "replay would not do (it runs no Python). Keep such state outside the layer, leave the layer out of "
+        "graphs.layers, or set graphs.on_capture_error='split' (the part that changes it then runs eagerly)."
+    )
+
+
 def refuse_saved_tensor_hooks(name: str) -> None:
     """A layer that runs under saved-tensor hooks (an enclosing non-reentrant ``torch.utils.checkpoint``) would
     have its graph replayed a second time by that recomputation."""
