@@ -89,7 +89,7 @@ class ReadyCheck:
                 raise GradSyncError(
                     f"rank {self.rank}: gradients of these parameters of {type(self.module).__name__} did not "
                     f"report ready as expected in iteration {iteration}: {', '.join(local)}. "
-                    f"{self._none_reached(missing)}{self._cast_since_setup()}{_CAUSES}"
+                    f"{self._none_reached(missing)}{self._known_cause_or_usual()}"
                 )
             return
         flag = torch.tensor([len(local)], dtype=torch.int64)
@@ -107,7 +107,7 @@ class ReadyCheck:
         raise GradSyncError(
             f"gradients of parameters of {type(self.module).__name__} did not report ready as expected in "
             f"iteration {iteration} (seen on rank {self.rank}):\n  " + "\n  ".join(lines)
-            + f"\n{self._none_reached(missing)}{self._cast_since_setup()}{_CAUSES}"
+            + f"\n{self._none_reached(missing)}{self._known_cause_or_usual()}"
         )
 
     def check_golden_across_ranks(self, buckets: Sequence[Bucket]) -> None:
@@ -147,6 +147,10 @@ class ReadyCheck:
             golden = "unknown (first iteration)" if b.slot_golden is None else b.slot_golden[slot]
             out.append(f"{self.names.get(p, '?')} (ready {b.slot_counts[slot]} times, expected {golden})")
         return out
+
+    def _known_cause_or_usual(self) -> str:
+        """The cast since setup when there was one (the usual causes would only bury it), else the usual causes."""
+        return self._cast_since_setup().rstrip() or _CAUSES
 
     def _cast_since_setup(self) -> str:
         """A sentence naming parameters whose dtype or device changed after setup ('' if none)."""
