@@ -18,7 +18,6 @@ from ..ddp import DataParallelEngine
 from ..graphs import GraphManager, GraphOptions
 from ..optim.fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
 from ..optim.sharded_optimizer import ShardedOptimizer
-from ..optim.step_graph import ACTIVE as OPTIMIZER_GRAPH_ACTIVE
 from ..optim.step_graph import OptimizerStepGraph, optimizer_refusal
 from ..protocol import main_grad
 
@@ -76,7 +75,7 @@ class OptimizerSteps:
             return sharded.step
         graph = self._graph(optimizer, refusal)
         cached = self._cached_step(optimizer)
-        if graph is not None and graph.phase in OPTIMIZER_GRAPH_ACTIVE:
+        if graph is not None and not graph.refused:
             return graph.step
         return cached.step if cached is not None else None
 

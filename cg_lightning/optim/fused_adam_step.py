@@ -118,12 +118,22 @@ class CachedFusedAdamStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        opt = self.optimizer
         if self.usable():
-            self.launch()
-            self.cached_steps += 1
-            return loss
-        type(opt).step(opt)  # hooks, lazy state, GradScaler arguments: torch's own path
+            self.step_on_lists()
+        else:
+            self.own_step()
+        return loss
+
+    def step_on_lists(self) -> None:
+        """The update on the cached lists, counted (the caller checked :meth:`usable`)."""
+        self.launch()
+        self.cached_steps += 1
+
+    def own_step(self) -> None:
+        """The optimizer's own ``step()`` (hooks, lazy state, GradScaler arguments: torch's path), after which the
+        lists are rebuilt if the step is plain (a new :attr:`generation`)."""
+        opt = self.optimizer
+        type(opt).step(opt)
         self._groups = None
         self.generation += 1
         if self._plain():
@@ -132,7 +142,6 @@ class CachedFusedAdamStep:
             self._state_dicts = list(opt.state.values())
             pairs = [(d, k) for d in self._state_dicts for k in _STATE_KEYS if k in d]  # amsgrad: checked per group
             self._state_items = ([d for d, _ in pairs], [k for _, k in pairs], [d.get(k) for d, k in pairs])
-        return loss
 
     def launch(self) -> None:
         """The update on the cached lists, without any check (the caller checked :meth:`usable`): per group and

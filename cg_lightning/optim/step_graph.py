@@ -27,8 +27,8 @@ A step whose values differ from the recording runs eagerly; the step is recorded
 two steps in a row (a constant learning rate, or a scheduler between changes), so a scheduler that changes the
 learning rate every step keeps the step eager, at the cached step's speed.
 
-State, all on this object: ``phase`` is ``"active"`` (recording and replaying where the checks allow) or
-``"eager"`` (refused: :func:`optimizer_refusal`, one warning).
+State, all on this object: ``refused`` once :func:`optimizer_refusal` (or the front-end) gave a reason (one
+warning; the step is then not this object's).
 """
 
 from __future__ import annotations
@@ -44,9 +44,6 @@ from .fused_adam_step import CachedFusedAdamStep, fused_adam_refusal
 
 #: the group values the fused kernels take as arguments (``decoupled_weight_decay``: Adam since torch 2.6)
 KERNEL_KEYS = ("lr", "betas", "weight_decay", "eps", "amsgrad", "maximize", "decoupled_weight_decay")
-
-ACTIVE = ("active",)
-
 
 def optimizer_refusal(optimizer: torch.optim.Optimizer, backend_name: str) -> Optional[str]:
     """Why ``optimizer``'s step cannot be replayed from a graph exactly by ``backend_name``, or ``None`` if it can.
@@ -107,7 +104,7 @@ class OptimizerStepGraph:
         self.optimizer = optimizer
         self.backend = backend
         self.cached = cached if cached is not None else CachedFusedAdamStep(optimizer)
-        self.phase = "active"
+        self.refused = False
         self.replays = 0
         self.captures = 0
         self.reason: Optional[str] = None
@@ -121,7 +118,7 @@ class OptimizerStepGraph:
     def give_up(self, reason: str) -> None:
         """Run the step eagerly from now on; warn once with ``reason``."""
         self.reason = reason
-        self.phase = "eager"
+        self.refused = True
         self.close()
         warnings.warn(f"cg_lightning: the optimizer step runs eagerly from now on: {reason}.", stacklevel=3)
 
@@ -135,7 +132,7 @@ class OptimizerStepGraph:
         loss = closure() if closure is not None else None
         cached = self.cached
         if not cached.usable():
-            cached.step()  # torch's own step; the lists are rebuilt after it (a new generation)
+            cached.own_step()  # the lists are rebuilt after it (a new generation)
             self._previous = None
             return loss
         values = kernel_values(self.optimizer)
@@ -146,7 +143,7 @@ class OptimizerStepGraph:
         elif values is not None and values == self._previous:
             self._capture(values)
         else:
-            cached.step()
+            cached.step_on_lists()
         self._previous = values
         return loss
 

@@ -188,7 +188,8 @@ class LightningWholeStep:
         def body(static_batch: Any) -> Any:
             if runs[0]:  # each run at capture starts from the same Python state
                 before.restore_attributes()
-                code is not None and code.restore(kept)
+                if code is not None:
+                    code.restore(kept)
             runs[0] += 1
             calls.clear()
             module.log = LogRecorder(calls)
