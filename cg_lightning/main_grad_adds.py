@@ -32,10 +32,13 @@ DDP's copy into its bucket leaves it), so the values are the same while the byte
 
 *Adopted first shares* (``adopt``, with ``fresh``): the first share itself becomes the ``main_grad``'s storage
 (``main_grad.data = share``), so no byte moves at all; a later share is added onto it. The share is autograd's own
-gradient tensor, which nothing else holds once the hook has dropped ``param.grad``. Only where nothing reads the
-buffer as one tensor (one process: no bucket is all-reduced) and the storage stays put afterwards (a graph's
-pool, written again by every replay): :meth:`DataParallelEngine.grad_adds_batched
-<cg_lightning.ddp.engine.DataParallelEngine.grad_adds_batched>` decides, and keeps or undoes the adoption.
+gradient tensor, which nothing else holds once the hook has dropped ``param.grad``. A first share that cannot be the
+storage (another dtype, not contiguous, not 16-byte aligned) is copied into a new tensor of the ``main_grad``'s own,
+and a fresh ``main_grad`` that got no share gets new zeros: every fresh ``main_grad`` ends with storage of its own,
+so the buffer it viewed is not written (it may have been released: :mod:`cg_lightning.ddp.adoption`). Only where
+nothing reads the buffer as one tensor (one process: no bucket is all-reduced): :meth:`DataParallelEngine.
+grad_adds_batched <cg_lightning.ddp.engine.DataParallelEngine.grad_adds_batched>` and the engine's adoption state
+decide, and keep or undo the adoption.
 """
 
 from __future__ import annotations
@@ -59,11 +62,12 @@ class MainGradAdds:
         fresh: ``main_grad`` tensors whose values are to be taken as zero (left unfilled): the first share of
             each is copied in rather than added; :meth:`settle` zeroes those that got none.
         adopt: a fresh ``main_grad``'s first share becomes its storage where it can (same shape, dtype and device,
-            contiguous) instead of being copied in.
+            contiguous, aligned), else a copy of it does; one without a share gets new zeros (:meth:`settle`).
 
     Attributes:
         queued: ids of the ``main_grad`` tensors that got at least one share through :meth:`add`.
-        adopted: ``(main_grad, its storage before)`` of every adopted first share, in order.
+        adopted: ``(main_grad, its storage before)`` of every ``main_grad`` given storage of its own, in order.
+        outside: some ``main_grad`` was written by something other than :meth:`add` (:meth:`written_outside`).
     """
 
     def __init__(self, flush_bytes: int = FLUSH_BYTES, fresh: Sequence[torch.Tensor] = (), adopt: bool = False) -> None:
@@ -78,6 +82,7 @@ class MainGradAdds:
         self.queued: Set[int] = set()
         self.adopt = adopt
         self.adopted: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.outside = False
 
     def add(self, mains: Sequence[torch.Tensor], addends: Sequence[torch.Tensor], defer: bool = True) -> None:
         """Queue ``mains[i] += addends[i]`` (same shapes; ``mains`` fp32 ``main_grad`` buffers), in order.
@@ -90,9 +95,10 @@ class MainGradAdds:
             if key in self._pending:  # a second share of the same main_grad: the first goes in first
                 self.flush()
             if self._fresh.pop(key, None) is not None:
-                if self.adopt and _adoptable(main, addend):
+                if self.adopt:  # storage of its own: the share itself, else a copy of it
+                    own = addend if _adoptable(main, addend) else _copy_as(main, addend)
                     self.adopted.append((main, main.data))
-                    main.data = addend
+                    main.data = own
                     self.queued.add(key)
                     continue
                 self._copy_into.append(main)
@@ -121,15 +127,39 @@ class MainGradAdds:
         """Whether ``main`` is still taken as zero without holding zeros (a fresh one that got no share yet)."""
         return id(main) in self._fresh
 
+    def written_outside(self, main: torch.Tensor) -> bool:
+        """Note that ``main`` was written without :meth:`add` (a kernel that sets ``grad_added_to_main_grad``, a graph
+        replay); returns whether it was fresh then (it was written onto values that were never zeroed)."""
+        self.outside = True
+        return self.is_fresh(main)
+
     def settle(self, mains: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Launch the pending additions, then zero those of ``mains`` (default: all) still fresh, so that they
         hold what they stand for: before a bucket's all-reduce reads them, and at the end of the backward."""
         self.flush()
         keys = list(self._fresh) if mains is None else [id(m) for m in mains if id(m) in self._fresh]
-        if keys:
+        if not keys:
+            return
+        if not self.adopt:
             foreach_zero_([self._fresh.pop(k) for k in keys])
+            return
+        for k in keys:
+            main = self._fresh.pop(k)
+            self.adopted.append((main, main.data))
+            main.data = torch.zeros(main.shape, dtype=main.dtype, device=main.device)
+
+
+#: where an adopted share must start: what the engine's buffer guarantees every ``main_grad`` (``ddp.buffer``)
+_ALIGN_BYTES = 16
 
 
 def _adoptable(main: torch.Tensor, share: torch.Tensor) -> bool:
     return (share.shape == main.shape and share.dtype == main.dtype and share.device == main.device
-            and share.is_contiguous())
+            and share.is_contiguous() and share.data_ptr() % _ALIGN_BYTES == 0)
+
+
+def _copy_as(main: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """A new tensor of ``main``'s shape, dtype and device holding ``share`` (cast where the dtypes differ)."""
+    own = torch.empty(main.shape, dtype=main.dtype, device=main.device)
+    own.copy_(share)
+    return own

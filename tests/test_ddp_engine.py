@@ -502,6 +502,82 @@ def test_adopted_first_shares_become_the_main_grad_storage_and_are_kept_or_undon
             assert torch.equal(p.main_grad, r.grad)
 
 
+def _eager_backward(engine, model, x):
+    engine.take_back_grads()
+    model(x).sum().backward()
+    engine.finish_grad_sync()
+    engine.expose_grads()
+
+
+def test_transient_main_grads_hold_no_buffer_between_steps_and_equal_eager_training():
+    """``adoption.want()``: a watched backward proves that only the hooks write ``main_grad``; the next zeroing frees
+    the buffer and leaves each ``main_grad`` a zero placeholder (no memory, reads as zeros, refuses in-place writes);
+    each backward then adopts autograd's gradient (accumulation adds onto it), equal to eager training at every step;
+    ``stop`` puts the values back into a restored buffer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    ref = copy.deepcopy(model)
+    engine = DataParallelEngine(model, DDPOptions())
+    adoption = engine.adoption
+    views = [p.main_grad.data_ptr() for p in model.parameters()]
+    adoption.want()
+    xs = [torch.randn(5, 4) for _ in range(4)]
+
+    def check():
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, r.grad) and p.grad is p.main_grad
+
+    for i, x in enumerate(xs):
+        ref.zero_grad(set_to_none=True)
+        for p in model.parameters():
+            p.grad = None  # zero_grad(set_to_none=True) on the exposed gradients
+        _eager_backward(engine, model, x)  # its take_back_grads zeroes: transient from the second step on
+        ref(x).sum().backward()
+        check()
+        assert adoption.proven and adoption.transient == (i > 0)
+        if i == 0:
+            assert [p.main_grad.data_ptr() for p in model.parameters()] == views
+        else:
+            assert all(b.released and b.data.untyped_storage().nbytes() == 0 for b in engine.buffers_)
+            assert all(p.main_grad.data_ptr() not in views for p in model.parameters())
+    engine.zero_grad_buffer()
+    first = model[0].weight.main_grad
+    assert first.stride() == (0, 0) and first.untyped_storage().nbytes() == 4 and first.abs().sum() == 0
+    with pytest.raises(RuntimeError):
+        first.add_(1.0)
+    # accumulation: a second backward without zeroing adds onto the adopted gradients
+    ref.zero_grad(set_to_none=True)
+    for x in xs[:2]:
+        _eager_backward(engine, model, x)
+        ref(x).sum().backward()
+    check()
+    adoption.stop()
+    assert not adoption.transient and not any(b.released for b in engine.buffers_)
+    assert [p.main_grad.data_ptr() for p in model.parameters()] == engine._buffer_ptrs  # views of the buffer again
+    assert engine._buffer_views[0].untyped_storage().data_ptr() == engine.buffers_[0].data.data_ptr()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.main_grad, r.grad)
+    engine.zero_grad_buffer()
+    assert all(p.main_grad.abs().sum() == 0 for p in model.parameters())
+
+
+def test_no_transient_main_grads_where_a_kernel_writes_them():
+    """A ``main_grad`` written by a kernel (``grad_added_to_main_grad``) in the watched backward: nothing is proven,
+    the buffer stays."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    engine = DataParallelEngine(lin, DDPOptions())
+    engine.adoption.want()
+    x = torch.randn(5, 4)
+    out = lin(x).sum()
+    lin.weight.grad_added_to_main_grad = True
+    out.backward()
+    engine.finish_grad_sync()
+    engine.zero_grad_buffer()
+    assert not engine.adoption.proven and not engine.adoption.transient
+    assert not any(b.released for b in engine.buffers_)
+
+
 def test_no_adoption_where_the_buffer_is_read_whole_or_the_dtypes_differ():
     """``find_unused_parameters`` (its tracking reads the buckets) and a ``grad_dtype`` other than the parameters'
     (a share of another dtype cannot be the storage): the first shares are copied, the buffer kept."""

@@ -51,6 +51,17 @@ class _Adoption(Callback):
     run copies its callbacks)."""
 
     seen: dict = {}
+    steps: list = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        type(self).steps = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        engine = trainer.strategy.engine
+        in_buffer = all(p.main_grad.untyped_storage().data_ptr() == engine.buffers_[0].data.untyped_storage().data_ptr()
+                        for p in engine.params)
+        type(self).steps.append((engine.adoption.transient, engine.adoption.kept, in_buffer,
+                                 all(b.released for b in engine.buffers_)))
 
     def on_train_end(self, trainer, pl_module) -> None:
         engine = trainer.strategy.engine
@@ -61,7 +72,9 @@ class _Adoption(Callback):
 @pytest.mark.parametrize("body", ["modulelist", "sequential", "linear"])
 def test_a_plain_step_is_replayed_from_one_graph_by_default_and_equals_ddp(body):
     """Replayed from one graph, bit for bit "ddp"; in one process every ``main_grad`` keeps the gradient tensor the
-    capture's backward made as its storage (nothing copied) and the buffer's memory is given back."""
+    capture's backward made as its storage (nothing copied) and the buffer's memory is given back. Before the capture
+    the buffer is freed as soon as the first step has shown that only the engine's hooks write ``main_grad``: the
+    second step's gradients are autograd's own tensors, as under plain PyTorch."""
     ref = train("ddp", lambda: PlainStep(body=body), max_steps=STEPS)
     strategy = cg_strategy()
     got, warned = _run(lambda: PlainStep(body=body), strategy, callbacks=[_Adoption()])
@@ -71,6 +84,8 @@ def test_a_plain_step_is_replayed_from_one_graph_by_default_and_equals_ddp(body)
     assert stats.fresh_main_grads
     seen = _Adoption.seen
     assert seen["kept"] and seen["adopted"] == seen["params"] and all(seen["released"]), seen
+    # (transient, kept, every main_grad in the buffer, the buffer released) before each optimizer step
+    assert _Adoption.steps[:3] == [(False, False, True, False), (True, False, False, True), (False, True, False, True)]
     assert warned == []  # a model without repeated layers ("linear") is graphed whole: nothing to warn about
 
 
@@ -281,3 +296,53 @@ def test_layers_compiled_one_by_one_keep_per_layer_graphs():
     assert strategy.last_graph_stats.forward_replays > 0
     for (name, p), q in zip(got.model.named_parameters(), ref.model.parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), name  # aot_eager decomposes ops: not bit-equal
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Identity whose backward raises at its ``fail_at``-th call (counted from the run's start): the capture run of the
+    step fails there, after the layers behind it reported their gradients ready."""
+
+    calls = 0
+    fail_at = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _FailsInBackward.calls += 1
+        if _FailsInBackward.calls == _FailsInBackward.fail_at:
+            raise RuntimeError("this backward cannot be captured")
+        return grad
+
+
+class _Gate(nn.Module):
+    def forward(self, x):
+        return _FailsInBackward.apply(x * 1.0)
+
+
+class _FailsInBackwardStep(PlainStep):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = _Gate()
+        self.out = nn.Linear(1, 1)  # reports ready before the gate's backward fails
+
+    def forward(self, x):
+        return self.out(self.gate(self.body(x)))
+
+
+def test_a_capture_that_fails_inside_the_backward_leaves_the_step_to_train_like_ddp(monkeypatch):
+    """The failed capture's backward reported some gradients ready: they are forgotten (the eager step that follows
+    counts from zero, no ``GradSyncError``), the buffer is restored for per-layer graphs, and every step equals
+    "ddp"."""
+    ref = train("ddp", _FailsInBackwardStep, max_steps=STEPS)
+    monkeypatch.setattr(_FailsInBackward, "calls", 0)
+    monkeypatch.setattr(_FailsInBackward, "fail_at", 4)  # steps 0 and 1, the capture's eager run, then its capture
+    strategy = cg_strategy()
+    got, _ = _run(_FailsInBackwardStep, strategy, callbacks=[_Adoption()])
+    assert_same(ref.facts(), got.facts())
+    stats = strategy.last_step_graph_stats
+    assert stats.captures == 0 and "this backward cannot be captured" in stats.refusal, stats
+    assert _Adoption.steps[1] == (True, False, False, True)  # transient before the capture
+    assert all(step == (False, False, True, False) for step in _Adoption.steps[2:]), _Adoption.steps

@@ -10,15 +10,26 @@ the optimizer reads them, and no byte moves. After the capture the engine keeps 
 buffer whose ``main_grad`` were all adopted gives its memory back. A failed capture puts every ``main_grad`` back
 into the buffer. Megatron-LM saves the same bytes by fusing the accumulation into the weight-gradient GEMM
 (``gradient_accumulation_fusion``); here no kernel changes, only where the gradient stays.
+
+*Transient storage* (:meth:`MainGradAdoption.want`, asked for by the whole step before its capture): the eager steps
+before the capture would otherwise hold the whole buffer beside their activations, and the capture the buffer
+beside its pool, one gradient's size above what plain PyTorch holds (4 bytes a parameter in fp32). So once a complete
+backward has shown that only the engine's hooks write ``main_grad`` (no kernel that sets ``grad_added_to_main_grad``),
+the buffer is freed and every zeroing makes each ``main_grad`` a *placeholder*, a zero expanded to its shape that
+owns no memory (it reads as zeros; writing into it in place raises): the next backward adopts autograd's gradient as
+the storage, as plain PyTorch's ``zero_grad(set_to_none=True)`` and ``AccumulateGrad`` do, and the capture's own
+adoption then makes the graph's pool the home. :meth:`~MainGradAdoption.stop` (the whole step refused) puts every
+``main_grad`` back into a restored buffer, values kept.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import protocol
+from ..main_grad_adds import MainGradAdds
 
 
 class MainGradAdoption:
@@ -27,6 +38,9 @@ class MainGradAdoption:
     Attributes:
         kept: the adopted storage is the ``main_grad`` home (after :meth:`keep`); no further adoption.
         mains: the ``main_grad`` tensors whose storage was adopted and kept.
+        wanted: transient storage was asked for (:meth:`want`); ``proven``: a complete backward since then put every
+            gradient into ``main_grad`` through the engine's hooks alone; ``transient``: the buffer is freed and each
+            zeroing leaves placeholders (see the module docstring).
     """
 
     def __init__(self, engine) -> None:
@@ -34,6 +48,11 @@ class MainGradAdoption:
         self.kept = False
         self.mains: List[torch.Tensor] = []
         self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.wanted = False
+        self.proven = False
+        self.transient = False
+        self._eager: Optional[MainGradAdds] = None
+        self._zeros: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def possible(self) -> bool:
         """One process, no sharded optimizer, no unused-parameter tracking, ``main_grad`` of the parameters' dtype,
@@ -62,9 +81,81 @@ class MainGradAdoption:
                 buf.release()
         self._pending = []
         self.kept = True
+        self.transient = self.wanted = False
 
     def undo(self) -> None:
         """Every ``main_grad`` back into the buffer it had before the adoptions not kept."""
         for main, before in reversed(self._pending):
             main.data = before
         self._pending = []
+
+    # ----------------------------------------------------------------- transient storage
+    def want(self) -> None:
+        """Ask for transient storage where :meth:`possible`: the hooks' next complete backward is watched, and the
+        first zeroing after it frees the buffer (see the module docstring)."""
+        if self.wanted or not self.possible():
+            return
+        self.wanted = True
+        self._watch()
+
+    def _watch(self) -> None:
+        """Hand the hooks this adoption's own additions for the next eager backward (unless one is open)."""
+        e = self.engine
+        if e.batched_adds is not None and e.batched_adds is not self._eager:
+            return
+        if self.transient:  # every main_grad is a placeholder: each first share becomes its storage
+            self._eager = MainGradAdds(flush_bytes=0, fresh=e._main_grads, adopt=True)
+        else:  # the buffer holds them: added at once, as without batching, and watched
+            self._eager = MainGradAdds(flush_bytes=0)
+        e.batched_adds = self._eager
+
+    def backward_done(self) -> None:
+        """After a complete backward (its additions settled): a watched one proves the hooks alone wrote."""
+        e, adds = self.engine, self._eager
+        if adds is None or e.batched_adds is not adds:
+            return
+        e.batched_adds = self._eager = None
+        if not self.transient and not adds.outside:
+            self.proven = all(id(m) in adds.queued for m in e._main_grads)
+
+    def zeroed(self) -> bool:
+        """At every zeroing of the engine (``zero_grad_buffer``): where transient storage is wanted and proven, every
+        ``main_grad`` becomes a placeholder (the buffer is freed the first time) and the next backward is watched.
+        Returns whether the ``main_grad`` are transient (nothing else to zero)."""
+        if not self.wanted or self.kept:
+            return False
+        if not self.transient and self.proven and self.possible():
+            self.transient = True
+            for buf in self.engine.buffers_:
+                buf.release()
+        if self.transient:
+            for main in self.engine._main_grads:
+                main.data = self._placeholder(main)
+        self._watch()
+        return self.transient
+
+    def _placeholder(self, main: torch.Tensor) -> torch.Tensor:
+        key = (main.dtype, main.device)
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = torch.zeros((), dtype=main.dtype, device=main.device)
+        return zero.expand(main.shape)
+
+    def stop(self) -> None:
+        """No transient storage any more: with the buffer restored, every ``main_grad`` views it again, holding the
+        values it had (zeros for a placeholder). Nothing to do where the adoption was kept or never transient."""
+        e = self.engine
+        if e.batched_adds is not None and e.batched_adds is self._eager:
+            e.batched_adds = None
+        self._eager = None
+        self.wanted = False
+        if not self.transient:
+            return
+        self.transient = False
+        for buf in e.buffers_:
+            buf.restore()
+        with torch.no_grad():
+            for main, view in zip(e._main_grads, e._buffer_views):
+                view.copy_(main)  # a placeholder reads as zeros
+                main.data = view
+        e._buffer_ptrs = [v.data_ptr() for v in e._buffer_views]  # the restored memory lies elsewhere

@@ -85,3 +85,10 @@ class GradBuffer:
         left without storage, which one process never reads."""
         self.data.untyped_storage().resize_(0)
         self.released = True
+
+    def restore(self) -> None:
+        """Memory for the buffer again after :meth:`release`, zeroed; its views and buckets read it again."""
+        if self.released:
+            self.data.untyped_storage().resize_(self.data.numel() * self.data.element_size())
+            self.data.zero_()
+            self.released = False

@@ -249,6 +249,7 @@ class DataParallelEngine(GradExposure, nn.Module):
         """
         if self.batched_adds is not None:
             self.batched_adds.settle()
+            self.adoption.backward_done()
         self._check.refuse_unfrozen()
         if self.unused is not None and self.golden_known:
             for b in self.buckets:
@@ -265,6 +266,11 @@ class DataParallelEngine(GradExposure, nn.Module):
             self.unused.window_synchronized(self.group, self.world_size if self.distributed else 1,
                                             self.buffers_[0].data.device if self.buffers_ else torch.device("cpu"))
         self.iteration += 1
+
+    def discard_iteration(self) -> None:
+        """Forget the grad-ready reports of a backward that failed before :meth:`finish_grad_sync` (a capture that
+        raised part-way), so that the step run again counts from zero."""
+        self.reducer.discard()
 
     def wait_for_params(self) -> None:
         """Wait for the parameters' all-gathers still pending after a sharded step (``ddp.overlap_param_gather``);

@@ -90,12 +90,14 @@ class GradExposure:
 
     def zero_grad_buffer(self, fill: bool = True) -> None:
         """Zero every ``main_grad`` and drop ``param.grad`` (after the optimizer step). ``fill=False``: everything
-        but the fill, for a backward run under :meth:`grad_adds_batched` with ``fresh``, which stands for it."""
-        for buf in self.buffers_ if fill else ():
-            buf.zero_()
-        if fill and self.adoption.mains:  # storage adopted from autograd (:mod:`.adoption`)
-            foreach_zero_(self.adoption.mains)
-        self._reattach_main_grads(keep_values=False)
+        but the fill, for a backward run under :meth:`grad_adds_batched` with ``fresh``, which stands for it. Transient
+        storage (:mod:`.adoption`): every ``main_grad`` becomes a zero placeholder, fill or not."""
+        if not self.adoption.zeroed():
+            for buf in self.buffers_ if fill else ():
+                buf.zero_()
+            if fill and self.adoption.mains:  # storage adopted from autograd (:mod:`.adoption`)
+                foreach_zero_(self.adoption.mains)
+            self._reattach_main_grads(keep_values=False)
         for p in self.params:
             p.grad = None
             protocol.set_grad_added(p, False)
@@ -107,8 +109,9 @@ class GradExposure:
         """Point every ``main_grad`` back into the gradient buffer if its storage was swapped (``param.grad.data =
         x`` while ``param.grad`` is ``main_grad``), first copying its values there if ``keep_values``. Otherwise
         the buffer that graphs add into, that is all-reduced and zeroed, would no longer be the one the hooks and
-        the optimizer see. One C-level pass over the data pointers in the usual case."""
-        if list(map(_DATA_PTR, self._main_grads)) == self._buffer_ptrs:
+        the optimizer see. One C-level pass over the data pointers in the usual case. Not for transient storage
+        (:mod:`.adoption`), which has no home to go back to."""
+        if self.adoption.transient or list(map(_DATA_PTR, self._main_grads)) == self._buffer_ptrs:
             return
         with torch.no_grad():
             for main, view in zip(self._main_grads, self._buffer_views):

@@ -33,14 +33,14 @@ def _hook(engine, param: nn.Parameter, notify: Callable[[], None]) -> Callable:
             return
         adds = engine.batched_adds
         if grad_added(param):
-            if adds is not None and adds.is_fresh(main_grad(param)):
+            if adds is not None and adds.written_outside(main_grad(param)):
                 raise written_unzeroed(engine, param)
             set_grad_added(param, False)
             param.grad = None
         else:
             grad = param.grad
             if grad is None:  # after a graph replay: the graph wrote main_grad itself
-                if adds is not None and adds.is_fresh(main_grad(param)):
+                if adds is not None and adds.written_outside(main_grad(param)):
                     raise written_unzeroed(engine, param)
             else:
                 if adds is None:

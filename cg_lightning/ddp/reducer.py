@@ -70,6 +70,17 @@ class BucketReducer:
                     self._comm_stream.wait_stream(stream)
                 bucket.dispatch(self.group, self.world_size, self.options.average)
 
+    def discard(self) -> None:
+        """Forget this iteration's reports (a backward that failed part-way): started all-reduces are waited for,
+        counts and the dispatch log start again; the last finished iteration's stay as they were."""
+        for b in self.buckets:
+            b.wait()
+            last = b.slot_last
+            b.reset()
+            b.slot_last = last
+        self._next = 0
+        self.dispatch_log = []
+
     def finish(self) -> None:
         """Wait for every bucket's all-reduce and start a new iteration (counts reset, dispatch order kept in
         :attr:`last_dispatch_order`)."""

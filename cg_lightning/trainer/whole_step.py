@@ -105,6 +105,7 @@ class LightningWholeStep:
         asked for; unset, one line on rank 0 (and the warning for a model without layers to graph, which then
         trains eagerly)."""
         self.stats.refusal = reason
+        self.strategy.engine.adoption.stop()  # every main_grad in the buffer again, for per-layer graphs
         if self.graphs is not None:
             self.graphs.clear()
         self.graphs = None
@@ -139,6 +140,7 @@ class LightningWholeStep:
             if reason is not None:
                 self.give_up(reason)
                 return False, None
+            self.strategy.engine.adoption.want()  # no gradient buffer beside the activations before the capture
         if trainer.accumulate_grad_batches != 1:  # each step: a GradientAccumulationScheduler sets it per epoch
             self.give_up(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})")
             return False, None
@@ -202,7 +204,9 @@ class LightningWholeStep:
                 raise StepCaptureRefused(f"training_step returned {type(out).__name__} without a loss tensor")
             engine = strategy.engine
             stats = self.stats
-            fresh = stats.fresh_main_grads  # the first share of each main_grad copied in, the buffer left unfilled
+            # the first share of each main_grad copied in (the buffer left unfilled), or adopted where transient:
+            # where an earlier backward showed that only the hooks write main_grad
+            fresh = stats.fresh_main_grads = stats.fresh_main_grads or engine.adoption.proven
             engine.zero_grad_buffer(fill=not fresh)
             strategy.driver.before_backward(loss)
             # a few multi-tensor kernels instead of one a parameter; one process: first shares adopted, not copied
@@ -232,6 +236,7 @@ class LightningWholeStep:
             strategy.engine.adoption.keep()  # the gradients stay where the graph writes them
         except Exception as exc:  # noqa: BLE001 - any failure: per-layer graphs, and this step runs eagerly
             strategy.engine.adoption.undo()
+            strategy.engine.discard_iteration()  # the eager step that follows counts its gradients from zero
             strategy.engine.zero_grad_buffer()
             where = raised_at(exc)
             where = None if where is not None and where.split(": ", 1)[-1] in str(exc) else where  # named already
