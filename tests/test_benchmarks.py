@@ -155,6 +155,35 @@ def test_trace_gaps_reads_busy_idle_and_what_ended_each_gap(tmp_path):
     assert "span 0.09 ms" in later and "busy 0.060 ms/step" in later, later
 
 
+def test_peak_memory_names_what_is_live_at_the_peak():
+    """benchmarks.diagnostics.peak_memory on a hand-made allocator trace: the peak is found by replaying allocations
+    and completed frees (a free of memory allocated before the trace is ignored), and the live allocations are
+    grouped by their innermost frame outside torch, largest first."""
+    from benchmarks.diagnostics.peak_memory import MIB, peak_report
+
+    def frames(name):
+        return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": "/repo/model.py", "line": 7, "name": name},
+                {"filename": "/repo/loop.py", "line": 3, "name": "fit"}]
+
+    trace = [
+        {"action": "free_completed", "addr": 99, "size": 5 * MIB},
+        {"action": "alloc", "addr": 1, "size": 2 * MIB, "frames": frames("forward")},
+        {"action": "alloc", "addr": 2, "size": 3 * MIB, "frames": frames("backward")},
+        {"action": "free_requested", "addr": 1, "size": 2 * MIB},
+        {"action": "alloc", "addr": 3, "size": 1 * MIB, "frames": frames("forward")},
+        {"action": "free_completed", "addr": 1, "size": 2 * MIB},
+        {"action": "alloc", "addr": 4, "size": 1 * MIB, "frames": frames("forward")},
+    ]
+    peak, lines = peak_report(trace)
+    assert peak == 6 * MIB, lines  # 2 + 3 + 1 live before the first completed free
+    assert lines[0] == "peak 6 MiB of traced allocations, 3 live", lines
+    assert lines[1] == "reached in: /repo/loop.py:3 fit > /repo/model.py:7 forward", lines
+    assert lines[2].split() == ["3.0", "MiB", "2", "x", "/repo/model.py:7", "forward",
+                                "[/x/torch/nn/functional.py:1", "linear]"], lines
+    assert lines[3].split()[:5] == ["3.0", "MiB", "1", "x", "/repo/model.py:7"] and "backward" in lines[3], lines
+
+
 def test_peer_losses_compares_losses_and_names_a_lost_gradient():
     """benchmarks.peer_losses on the CPU (eager loop only: a compiled run needs a C++ toolchain): two eager runs
     agree exactly; a run with one gradient dropped or changed is reported by parameter name."""

@@ -52,9 +52,19 @@ class _Adoption(Callback):
 
     seen: dict = {}
     steps: list = []
+    forwards: list = []
 
     def on_train_start(self, trainer, pl_module) -> None:
         type(self).steps = []
+        type(self).forwards = []
+        engine = trainer.strategy.engine
+
+        def held(module, args) -> None:  # whether gradient memory sits beside this forward's activations
+            mains = [p.main_grad for p in engine.params]
+            type(self).forwards.append((trainer.global_step, not all(b.released for b in engine.buffers_)
+                                        or any(m.untyped_storage().nbytes() > m.element_size() for m in mains)))
+
+        pl_module.register_forward_pre_hook(held)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         engine = trainer.strategy.engine
@@ -86,6 +96,10 @@ def test_a_plain_step_is_replayed_from_one_graph_by_default_and_equals_ddp(body)
     assert seen["kept"] and seen["adopted"] == seen["params"] and all(seen["released"]), seen
     # (transient, kept, every main_grad in the buffer, the buffer released) before each optimizer step
     assert _Adoption.steps[:3] == [(False, False, True, False), (True, False, False, True), (False, True, False, True)]
+    # (step, gradient memory held) at each forward: the first step's proof holds the buffer; from then on the last
+    # step's gradients are freed before the forward, the capture's eager run and captured run included
+    assert {seen for seen in _Adoption.forwards if seen[0] <= 2} == {(0, True), (1, False), (2, False)}, \
+        _Adoption.forwards  # (steps after 2: the eager backend's replays run the step, in the storage kept)
     assert warned == []  # a model without repeated layers ("linear") is graphed whole: nothing to warn about
 
 

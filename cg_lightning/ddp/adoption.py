@@ -96,6 +96,8 @@ class MainGradAdoption:
         if self.wanted or not self.possible():
             return
         self.wanted = True
+        for main in self.engine._main_grads:  # made now: never inside a capture, where it would live in its pool
+            self._placeholder(main)
         self._watch()
 
     def _watch(self) -> None:
@@ -117,6 +119,14 @@ class MainGradAdoption:
         e.batched_adds = self._eager = None
         if not self.transient and not adds.outside:
             self.proven = all(id(m) in adds.queued for m in e._main_grads)
+
+    def step_begins(self) -> None:
+        """Before a step's forward, where transient storage is proven: the previous step's gradients (or the buffer)
+        are released now rather than at the zeroing after the forward, so that the forward's activations never sit
+        beside them (plain PyTorch's ``zero_grad(set_to_none=True)`` before the forward). Nothing where the adoption
+        was kept (a replayed step writes in place) or not proven yet."""
+        if self.wanted and not self.kept and (self.transient or self.proven):
+            self.zeroed()
 
     def zeroed(self) -> bool:
         """At every zeroing of the engine (``zero_grad_buffer``): where transient storage is wanted and proven, every

@@ -144,6 +144,7 @@ class LightningWholeStep:
         if trainer.accumulate_grad_batches != 1:  # each step: a GradientAccumulationScheduler sets it per epoch
             self.give_up(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})")
             return False, None
+        self.strategy.engine.adoption.step_begins()  # the last step's gradients freed before this forward
         step = trainer.global_step
         if self._start_step is None:
             self._start_step = step
@@ -193,6 +194,7 @@ class LightningWholeStep:
                 if code is not None:
                     code.restore(kept)
             runs[0] += 1
+            strategy.engine.adoption.step_begins()  # the eager run's gradients freed before the captured forward
             calls.clear()
             module.log = LogRecorder(calls)
             try:
