@@ -561,6 +561,36 @@ def test_transient_main_grads_hold_no_buffer_between_steps_and_equal_eager_train
     assert all(p.main_grad.abs().sum() == 0 for p in model.parameters())
 
 
+def test_a_gradient_set_before_a_transient_backward_brings_the_buffer_back_and_is_added_onto():
+    """Transient storage, a step begun (``step_begins``: placeholders while the last gradients are still exposed), then
+    ``param.grad`` set to a prior before the backward (as ``on_before_backward`` may after ``zero_grad``): the buffer is
+    restored for good and the backward adds onto the prior, equal to eager PyTorch. A ``fill_`` into a placeholder
+    (torch lets it through, into the zero behind all of them) is undone at the next zeroing."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    ref = copy.deepcopy(model)
+    engine = DataParallelEngine(model, DDPOptions())
+    engine.adoption.want()
+    x = torch.randn(5, 4)
+    for p in model.parameters():
+        p.grad = None
+    _eager_backward(engine, model, x)  # the proof
+    engine.adoption.step_begins()  # the buffer freed, placeholders
+    assert engine.adoption.transient
+    model[0].weight.main_grad.fill_(3.0)
+    engine.adoption.step_begins()
+    assert all(p.main_grad.abs().sum() == 0 for p in model.parameters())  # undone
+    for p, r in zip(model.parameters(), ref.parameters()):
+        p.grad = torch.full_like(p, 0.25)
+        r.grad = torch.full_like(r, 0.25)
+    _eager_backward(engine, model, x)
+    ref(x).sum().backward()
+    assert not engine.adoption.transient and not engine.adoption.wanted
+    assert not any(b.released for b in engine.buffers_)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad) and p.main_grad.data_ptr() in engine._buffer_ptrs
+
+
 def test_no_transient_main_grads_where_a_kernel_writes_them():
     """A ``main_grad`` written by a kernel (``grad_added_to_main_grad``) in the watched backward: nothing is proven,
     the buffer stays."""

@@ -30,6 +30,7 @@ import torch
 
 from .. import protocol
 from ..main_grad_adds import MainGradAdds
+from .errors import GradSyncError
 
 
 class MainGradAdoption:
@@ -139,6 +140,7 @@ class MainGradAdoption:
             for buf in self.engine.buffers_:
                 buf.release()
         if self.transient:
+            self._reset_zeros()
             for main in self.engine._main_grads:
                 main.data = self._placeholder(main)
         self._watch()
@@ -150,6 +152,28 @@ class MainGradAdoption:
         if zero is None:
             zero = self._zeros[key] = torch.zeros((), dtype=main.dtype, device=main.device)
         return zero.expand(main.shape)
+
+    def explain(self, exc: BaseException) -> Optional[GradSyncError]:
+        """The error to raise instead of ``exc``, raised by a backward: torch refusing an in-place write into a
+        placeholder (a kernel that accumulates into ``main_grad`` itself, first used after the first step), or
+        ``None``."""
+        if not (self.transient and isinstance(exc, RuntimeError) and "single memory location" in str(exc)):
+            return None
+        return GradSyncError(
+            f"the backward wrote into a main_grad in place ({str(exc).splitlines()[0]}) while it was a transient "
+            "placeholder: the run's first backward had no kernel that writes main_grad itself, so in one process, "
+            "before the whole step is captured, the gradient buffer was freed (docs/limitations.md). Use such a "
+            "kernel from the first step on, or set graphs.whole_step: false")
+
+    def _reset_zeros(self) -> None:
+        """An in-place ``fill_`` into a placeholder (it passes torch's overlap check; ``add_`` and ``copy_`` do not)
+        lands in the one zero behind all of them; Lightning's ``zero_grad(set_to_none=True)`` would have discarded
+        it, so the zero is simply made zero again at each zeroing (one element a dtype), except while a stream captures
+        (the graph would repeat it every replay, after which no placeholder is read)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        for zero in self._zeros.values():
+            zero.zero_()
 
     def stop(self) -> None:
         """No transient storage any more: with the buffer restored, every ``main_grad`` views it again, holding the
@@ -164,6 +188,7 @@ class MainGradAdoption:
         self.transient = False
         for buf in e.buffers_:
             buf.restore()
+        self._reset_zeros()
         with torch.no_grad():
             for main, view in zip(e._main_grads, e._buffer_views):
                 view.copy_(main)  # a placeholder reads as zeros

@@ -74,6 +74,8 @@ class GradExposure:
         if all(map(operator.is_, map(_GRAD, self.params), repeat(None))):  # zero_grad(set_to_none=True)
             self.zero_grad_buffer()  # one fill a buffer instead of one a parameter
             return
+        if self.adoption.transient:  # a gradient set since zero_grad, to accumulate onto: the buffer back for good
+            self.adoption.stop()
         self._reattach_main_grads(keep_values=True)
         if self.unused is not None:
             self.unused.window_starts()

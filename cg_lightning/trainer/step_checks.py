@@ -1,7 +1,8 @@
 """What keeps a Lightning training step from being replayed from one graph, found before and during its capture.
 
 :func:`static_refusal` reads the fit's set-up (manual optimization, a GradScaler, the distributed optimizer,
-hooks of the user's that would run only at capture); :class:`LogRecorder` stands in for ``self.log`` while the step
+hooks of the user's that would run only at capture or after the replayed backward, gradients that outlive
+``zero_grad``); :class:`LogRecorder` stands in for ``self.log`` while the step
 is captured and refuses values a replay could not log again; :func:`raised_at` names the user's line of a capture
 that failed; :func:`step_output` is what a replayed step returns to Lightning. Used by
 :mod:`cg_lightning.trainer.whole_step`.
@@ -73,7 +74,6 @@ class LogRecorder:
 
 _LIGHTNING_BASES = ("LightningModule", "HooksMixin", "ModelHooks", "DataHooks", "CheckpointHooks", "Callback")
 
-
 def static_refusal(strategy: Any) -> Optional[str]:
     """Why the fit of ``strategy`` (the Lightning strategy, set up) cannot replay its training step from one graph,
     or ``None``."""
@@ -87,10 +87,35 @@ def static_refusal(strategy: Any) -> Optional[str]:
     for name in _USER_HOOKS:
         if overridden(module, name, _LIGHTNING_BASES):
             return f"{type(module).__name__}.{name} is overridden and would run only when the step is captured"
-    for callback in module.trainer.callbacks:
-        if overridden(callback, "on_before_zero_grad", _LIGHTNING_BASES):
-            return (f"the callback {type(callback).__name__} implements on_before_zero_grad, which would run "
-                    "after the replayed backward instead of before it")
+    for hook in _BEFORE_BACKWARD_HOOKS:
+        for owner in (module, *module.trainer.callbacks):
+            if overridden(owner, hook, _LIGHTNING_BASES):
+                what = (f"{type(module).__name__}.{hook} is overridden" if owner is module
+                        else f"the callback {type(owner).__name__} implements {hook}")
+                return f"{what}, which would run after the replayed backward instead of before it"
+    return _gradient_carried_over(strategy)
+
+
+#: hooks Lightning runs between the forward and the backward (they may set gradients the backward adds onto)
+_BEFORE_BACKWARD_HOOKS = ("on_before_zero_grad", "on_before_backward")
+
+
+def _gradient_carried_over(strategy: Any) -> Optional[str]:
+    """Why a gradient may outlive Lightning's ``zero_grad`` (a replayed step starts every gradient from zero), or
+    ``None``: a trainable parameter in no optimizer (Lightning zeroes only the optimizers' parameters, so its
+    gradient accumulates over steps), or an optimizer whose ``zero_grad`` is its own (it may keep gradients, or zero
+    them in place after the replayed backward wrote them)."""
+    in_optimizer = {id(p) for optimizer in strategy.optimizers for group in optimizer.param_groups
+                    for p in group["params"]}
+    module = strategy.lightning_module
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in in_optimizer:
+            return (f"the parameter {name!r} requires grad but is in no optimizer: Lightning's zero_grad leaves its "
+                    "gradient to accumulate over steps, which a replayed step (every gradient from zero) would not do")
+    for optimizer in strategy.optimizers:
+        if "zero_grad" in vars(optimizer) or type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+            return (f"{type(optimizer).__name__}.zero_grad is not torch.optim.Optimizer's: a replayed step assumes "
+                    "that zero_grad sets every gradient to None")
     return None
 
 

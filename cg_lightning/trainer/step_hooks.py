@@ -81,7 +81,13 @@ class StepHooksMixin:
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             driver.before_backward(tensor)
-            out = inner(tensor, *args, **kwargs)
+            try:
+                out = inner(tensor, *args, **kwargs)
+            except RuntimeError as exc:  # a write into a transient main_grad placeholder: said in the engine's words
+                explained = driver.engine.adoption.explain(exc) if driver.engine is not None else None
+                if explained is None:
+                    raise
+                raise explained from exc
             driver.after_backward()  # completes the step exactly when gradient sync is on (not under no_sync)
             ran.append(True)
             return out

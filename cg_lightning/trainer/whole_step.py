@@ -21,7 +21,9 @@ refusal; ``false`` never captures the step.
 
 What a replayed step cannot hold is refused before capture, and the layers get per-layer graphs instead: manual
 optimization, gradient accumulation, a GradScaler (``16-mixed``), the distributed optimizer, a ``backward``,
-``optimizer_zero_grad`` or ``on_before_zero_grad`` of the user's (they would run once), a Python number or a
+``optimizer_zero_grad``, ``on_before_zero_grad`` or ``on_before_backward`` of the user's (they would run once, or
+after the replayed backward), a gradient that outlives ``zero_grad`` (a trainable parameter in no optimizer, an
+optimizer's own ``zero_grad``), a Python number or a
 torchmetrics ``Metric`` logged in ``training_step`` (it would be logged unchanged every step), and a step whose
 capture fails (a host read such as ``.item()``, named with its line). A batch of another signature runs its step
 eagerly (``shape_policy="eager"``, one warning), raises (``"error"``) or is captured as a step graph of its own
