@@ -21,6 +21,8 @@ import torch
 from .. import torch_compat
 
 _USER_HOOKS = ("backward", "optimizer_zero_grad", "on_before_zero_grad")  # would run at capture only
+#: hooks Lightning runs between the forward and the backward (they may set gradients the backward adds onto)
+_BEFORE_BACKWARD_HOOKS = ("on_before_zero_grad", "on_before_backward")
 #: packages whose properties and methods, read through ``self`` in a training step, reflect the loop's state
 FRAMEWORK = ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics")
 
@@ -70,9 +72,8 @@ class LogRecorder:
         self.calls.append(((name, value.detach()) + args, kwargs))
 
 
-
-
 _LIGHTNING_BASES = ("LightningModule", "HooksMixin", "ModelHooks", "DataHooks", "CheckpointHooks", "Callback")
+
 
 def static_refusal(strategy: Any) -> Optional[str]:
     """Why the fit of ``strategy`` (the Lightning strategy, set up) cannot replay its training step from one graph,
@@ -95,9 +96,6 @@ def static_refusal(strategy: Any) -> Optional[str]:
                 return f"{what}, which would run after the replayed backward instead of before it"
     return _gradient_carried_over(strategy)
 
-
-#: hooks Lightning runs between the forward and the backward (they may set gradients the backward adds onto)
-_BEFORE_BACKWARD_HOOKS = ("on_before_zero_grad", "on_before_backward")
 
 
 def _gradient_carried_over(strategy: Any) -> Optional[str]:
