@@ -169,7 +169,7 @@ def test_peak_memory_names_what_is_live_at_the_peak():
     trace = [
         {"action": "free_completed", "addr": 99, "size": 5 * MIB},
         {"action": "alloc", "addr": 1, "size": 2 * MIB, "frames": frames("forward")},
-        {"action": "alloc", "addr": 2, "size": 3 * MIB, "frames": frames("backward")},
+        {"action": "alloc", "addr": 2, "size": 3 * MIB, "frames": frames("backward"), "stream": 255},
         {"action": "free_requested", "addr": 1, "size": 2 * MIB},
         {"action": "alloc", "addr": 3, "size": 1 * MIB, "frames": frames("forward")},
         {"action": "free_completed", "addr": 1, "size": 2 * MIB},
@@ -179,9 +179,10 @@ def test_peak_memory_names_what_is_live_at_the_peak():
     assert peak == 6 * MIB, lines  # 2 + 3 + 1 live before the first completed free
     assert lines[0] == "peak 6 MiB of traced allocations, 3 live", lines
     assert lines[1] == "reached in: /repo/loop.py:3 fit > /repo/model.py:7 forward", lines
-    assert lines[2].split() == ["3.0", "MiB", "2", "x", "/repo/model.py:7", "forward",
+    assert lines[2] == "by stream: None: 3.0 MiB in 2, 0xff: 3.0 MiB in 1", lines
+    assert lines[3].split() == ["3.0", "MiB", "2", "x", "/repo/model.py:7", "forward",
                                 "[/x/torch/nn/functional.py:1", "linear]"], lines
-    assert lines[3].split()[:5] == ["3.0", "MiB", "1", "x", "/repo/model.py:7"] and "backward" in lines[3], lines
+    assert lines[4].split()[:5] == ["3.0", "MiB", "1", "x", "/repo/model.py:7"] and "backward" in lines[4], lines
 
 
 def test_peer_losses_compares_losses_and_names_a_lost_gradient():

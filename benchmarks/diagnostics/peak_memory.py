@@ -65,7 +65,10 @@ def peak_report(trace: List[dict], top: int = 20) -> Tuple[int, List[str]]:
                 now -= event["size"]
     groups: Dict[str, List[int]] = collections.defaultdict(lambda: [0, 0])
     inner: Dict[str, str] = {}
+    streams: Dict[object, List[int]] = collections.defaultdict(lambda: [0, 0])
     for event in at_peak.values():
+        streams[event.get("stream")][0] += event["size"]
+        streams[event.get("stream")][1] += 1
         frames = event.get("frames") or []
         key = _owner(frames)
         groups[key][0] += event["size"]
@@ -76,6 +79,9 @@ def peak_report(trace: List[dict], top: int = 20) -> Tuple[int, List[str]]:
         outer = [_where(f) for f in (peak_event.get("frames") or [])[::-1]
                  if "/torch/" not in f.get("filename", "") and not f.get("filename", "").startswith("<")]
         lines.append("reached in: " + " > ".join(outer[-6:]))
+    lines.append("by stream: " + ", ".join(
+        f"{stream if stream is None else hex(stream)}: {size / MIB:.1f} MiB in {count}"
+        for stream, (size, count) in sorted(streams.items(), key=lambda kv: -kv[1][0])))
     for key, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {size / MIB:9.1f} MiB {count:6d} x  {key}   [{inner[key]}]")
     return peak, lines
