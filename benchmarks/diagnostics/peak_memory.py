@@ -32,7 +32,7 @@ MIB = 1024 * 1024
 
 def _where(frame: dict) -> str:
     path = frame.get("filename", "?")
-    for root in ("site-packages/", "dist-packages/", "/work/main/", os.getcwd() + "/"):
+    for root in ("site-packages/", "dist-packages/", os.getcwd() + "/"):
         if root in path:
             path = path.split(root, 1)[1]
     return f"{path}:{frame.get('line', '?')} {frame.get('name', '?')}"

@@ -33,6 +33,12 @@ from ..main_grad_adds import MainGradAdds
 from .errors import GradSyncError
 
 
+#: why a ``main_grad`` written by a kernel was a placeholder, and what to do (the end of the engine's errors)
+TRANSIENT_WRITE = ("the run's first backward had no kernel that writes main_grad itself, so in one process, before the "
+                   "whole step is captured, the gradient buffer was freed (docs/limitations.md). Use such a kernel "
+                   "from the first step on, or set graphs.whole_step: false")
+
+
 class MainGradAdoption:
     """The adoption state of one :class:`~.engine.DataParallelEngine`.
 
@@ -159,11 +165,8 @@ class MainGradAdoption:
         ``None``."""
         if not (self.transient and isinstance(exc, RuntimeError) and "single memory location" in str(exc)):
             return None
-        return GradSyncError(
-            f"the backward wrote into a main_grad in place ({str(exc).splitlines()[0]}) while it was a transient "
-            "placeholder: the run's first backward had no kernel that writes main_grad itself, so in one process, "
-            "before the whole step is captured, the gradient buffer was freed (docs/limitations.md). Use such a "
-            "kernel from the first step on, or set graphs.whole_step: false")
+        return GradSyncError(f"the backward wrote into a main_grad in place ({str(exc).splitlines()[0]}) while it "
+                             f"was a transient placeholder: {TRANSIENT_WRITE}")
 
     def _reset_zeros(self) -> None:
         """An in-place ``fill_`` into a placeholder (it passes torch's overlap check; ``add_`` and ``copy_`` do not)

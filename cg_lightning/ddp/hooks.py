@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from .. import protocol
 from ..phase import grad_ready_deferred, record_grad_ready
+from .adoption import TRANSIENT_WRITE
 from .errors import GradSyncError
 
 
@@ -57,17 +58,12 @@ def written_unzeroed(engine, param: nn.Parameter) -> GradSyncError:
     """The error for a ``main_grad`` written by a kernel or graph onto a buffer left unfilled (``fresh``), or onto a
     transient placeholder (:mod:`.adoption`)."""
     if engine.adoption.transient:
-        return GradSyncError(
-            f"the gradient of parameter {engine.names.get(param, '?')!r} reached main_grad without the engine's hook "
-            "(a kernel wrote it and set grad_added_to_main_grad) while main_grad was a transient placeholder: the "
-            "run's first backward had no such kernel, so in one process, before the whole step is captured, the "
-            "gradient buffer was freed (docs/limitations.md). Use such a kernel from the first step on, or set "
-            "graphs.whole_step: false")
-    return GradSyncError(
-        f"the gradient of parameter {engine.names.get(param, '?')!r} reached main_grad without the engine's hook "
-        "(a kernel or graph wrote it and set grad_added_to_main_grad) while the buffer was left unfilled for copied "
-        "first shares (DataParallelEngine.grad_adds_batched(fresh=True)); zero the buffer first and run the "
-        "backward without fresh")
+        why = f"while main_grad was a transient placeholder: {TRANSIENT_WRITE}"
+    else:
+        why = ("while the buffer was left unfilled for copied first shares (DataParallelEngine.grad_adds_batched("
+               "fresh=True)); zero the buffer first and run the backward without fresh")
+    return GradSyncError(f"the gradient of parameter {engine.names.get(param, '?')!r} reached main_grad without the "
+                         f"engine's hook (a kernel or graph wrote it and set grad_added_to_main_grad) {why}")
 
 
 class GradHooks:
