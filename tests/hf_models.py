@@ -76,13 +76,13 @@ class HFModule(LightningModule):
     ``prepare(model)`` runs on the built model (e.g. ``gradient_checkpointing_enable``)."""
 
     def __init__(self, build: Callable, forward_kwargs: Optional[Dict] = None,
-                 prepare: Optional[Callable] = None, lr: float = 3e-3) -> None:
+                 prepare: Optional[Callable] = None, lr: float = 3e-3, fused: bool = False) -> None:
         super().__init__()
         self.model = build()
         if prepare is not None:
             prepare(self.model)
         self.forward_kwargs = dict(forward_kwargs or {})
-        self.lr = lr
+        self.lr, self.fused = lr, fused
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
@@ -90,7 +90,7 @@ class HFModule(LightningModule):
         return out.loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=self.fused)
 
 
 def token_loader(n: int = 64, seq: int = SEQ, batch_size: int = 4, seed: int = 1) -> DataLoader:

@@ -80,7 +80,7 @@ class ParityModel(LightningModule):
 
     Args:
         body: ``"linear"``, ``"sequential"`` or ``"modulelist"`` (:func:`make_body`).
-        optimizer: ``"sgd"`` (momentum 0.9), ``"adam"`` or ``"lbfgs"``.
+        optimizer: ``"sgd"`` (momentum 0.9), ``"adam"``, ``"fused_adamw"`` or ``"lbfgs"``.
         scheduler: ``None``; ``"step"`` (StepLR every 3 optimizer steps); ``"epoch"`` (StepLR every epoch);
             ``"plateau"`` (ReduceLROnPlateau on the epoch mean of ``train_loss``); ``"plateau_val"`` (on
             ``val_loss``); ``"plateau_step"`` (on ``train_loss``, checked every optimizer step).
@@ -153,6 +153,8 @@ class ParityModel(LightningModule):
             return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         if name == "adam":
             return torch.optim.Adam(params, lr=self.lr)
+        if name == "fused_adamw":
+            return torch.optim.AdamW(params, lr=self.lr, fused=True)
         if name == "lbfgs":
             return torch.optim.LBFGS(params, lr=self.lr, max_iter=3, history_size=4)
         raise ValueError(f"unknown optimizer {name!r}")

@@ -48,11 +48,11 @@ def _clone(value: Any) -> Any:
     return value
 
 
-class Recorder(Callback):
-    """Appends to ``pl_module.events``: where each training batch starts (epoch, global step, batch index), the
-    gradients seen in ``on_before_optimizer_step``, and after each batch the ``training_step`` outputs, the
-    weights and every learning rate; the outputs of every evaluation batch and the metrics after each
-    validation run."""
+class OutcomeRecorder(Callback):
+    """Appends to ``pl_module.events``: where each training batch starts (epoch, global step, batch index), and
+    after each batch the ``training_step`` outputs, the weights and every learning rate; the outputs of every
+    evaluation batch and the metrics after each validation run. No hook between the backward and the optimizer
+    step (:class:`Recorder` adds one)."""
 
     def on_train_start(self, trainer, pl_module):
         pl_module.events.append({"hook": "train_start", "step": trainer.global_step, "epoch": trainer.current_epoch})
@@ -60,10 +60,6 @@ class Recorder(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         pl_module.events.append({"hook": "train_batch_start", "epoch": trainer.current_epoch,
                                  "step": trainer.global_step, "batch_idx": batch_idx})
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        pl_module.events.append({"hook": "on_before_optimizer_step", "step": trainer.global_step,
-                                 "grads": grads(pl_module)})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pl_module.events.append({
@@ -165,12 +161,21 @@ class Run:
         }
 
 
-def make_trainer(strategy: Any, callbacks: Iterable[Callback] = (), **kwargs: Any) -> Trainer:
+class Recorder(OutcomeRecorder):
+    """:class:`OutcomeRecorder`, and the gradients seen in ``on_before_optimizer_step``."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        pl_module.events.append({"hook": "on_before_optimizer_step", "step": trainer.global_step,
+                                 "grads": grads(pl_module)})
+
+
+def make_trainer(strategy: Any, callbacks: Iterable[Callback] = (), recorder: type = Recorder,
+                 **kwargs: Any) -> Trainer:
     options = dict(accelerator="cpu", devices=1, max_epochs=1, deterministic=True, logger=False,
                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                    num_sanity_val_steps=0, limit_val_batches=0)
     options.update(kwargs)
-    return Trainer(strategy=strategy, callbacks=[Recorder(), *callbacks], **options)
+    return Trainer(strategy=strategy, callbacks=[recorder(), *callbacks], **options)
 
 
 Call = Union[str, tuple]
@@ -178,15 +183,15 @@ Call = Union[str, tuple]
 
 def train(strategy: Any, model: Union[LightningModule, Callable[[], LightningModule]],
           calls: Sequence[Call] = ("fit",), seed: Optional[int] = SEED, callbacks: Iterable[Callback] = (),
-          **trainer_kwargs: Any) -> Run:
-    """Seed (unless ``seed`` is None), build the model (if given a factory) and a Trainer, then run ``calls``:
-    each a Trainer method name (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``) or ``(name, kwargs)``,
-    called with the model. ``callbacks`` are copied, so one list can serve several runs. Returns the
-    :class:`Run`."""
+          recorder: type = Recorder, **trainer_kwargs: Any) -> Run:
+    """Seed (unless ``seed`` is None), build the model (if given a factory) and a Trainer with a ``recorder``,
+    then run ``calls``: each a Trainer method name (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``) or
+    ``(name, kwargs)``, called with the model. ``callbacks`` are copied, so one list can serve several runs.
+    Returns the :class:`Run`."""
     if seed is not None:
         seed_everything(seed, verbose=False)
     module = model if isinstance(model, LightningModule) else model()
-    trainer = make_trainer(strategy, [copy.deepcopy(c) for c in callbacks], **trainer_kwargs)
+    trainer = make_trainer(strategy, [copy.deepcopy(c) for c in callbacks], recorder, **trainer_kwargs)
     run = Run(module, trainer)
     for call in calls:
         name, kwargs = (call, {}) if isinstance(call, str) else call

@@ -8,6 +8,20 @@ import torch
 from lightning.pytorch import Callback
 
 
+class LossRecorder(Callback):
+    """Records the loss of every step (``nan`` for a batch the module skipped), and nothing between the backward and
+    the optimizer step (a hook there keeps the update out of the step's graph)."""
+
+    def __init__(self) -> None:
+        self.losses: List[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if outputs is None or "loss" not in outputs:
+            self.losses.append(float("nan"))
+            return
+        self.losses.append(float(outputs["loss"].detach()))
+
+
 class GradRecorder(Callback):
     """Records losses every step, every parameter's gradient (``.grad``) at chosen global steps, and (under
     ``cudagraph_ddp``) the engine's grad-ready counts by parameter name at every optimizer step."""

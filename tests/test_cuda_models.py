@@ -18,19 +18,19 @@ from lightning.pytorch import Callback, LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import cg_strategy, make_trainer, state_rel_diff
-from tests.recorders import GradRecorder
+from tests.recorders import GradRecorder, LossRecorder
 
 pytestmark = pytest.mark.cuda
 
 STEPS = 8
 
 
-def _fit_tokens(strategy, build, precision):
+def _fit_tokens(strategy, build, precision, recorder=GradRecorder, **module_kwargs):
     from tests.hf_models import fit_hf
 
-    rec = GradRecorder()
+    rec = recorder()
     module, trainer = fit_hf(strategy, build, steps=STEPS, callbacks=[rec],
-                             trainer_kwargs=dict(accelerator="gpu", precision=precision))
+                             trainer_kwargs=dict(accelerator="gpu", precision=precision), **module_kwargs)
     return module, rec, trainer
 
 
@@ -358,6 +358,31 @@ def test_cuda_defaults_replay_the_whole_step_and_equal_ddp(deterministic, model)
 
     strategy, _ = _compare_whole_step(model + " defaults", fit, "bf16-mixed", graphs={"whole_step": None})
     assert strategy.last_step_graph_stats.refusal is None
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2", "llama-user-compiled"])
+def test_cuda_whole_iteration_with_the_optimizer_update_equals_ddp(deterministic, model):
+    """``graphs.capture_optimizer`` and no other option, fused AdamW, bf16-mixed: forward, backward, gradient sync
+    and the optimizer's update replayed as one graph from the capture step on (Lightning's ``optimizer.step()`` only
+    marks the step), weights bit-equal to "ddp"."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hf = pytest.importorskip("tests.hf_models")
+    build = {"llama": lambda: hf.tiny_llama(attn_implementation="sdpa"),
+             "gpt2": lambda: hf.tiny_gpt2(attn_implementation="sdpa"),
+             "llama-user-compiled": lambda: torch.compile(hf.tiny_llama(attn_implementation="sdpa"))}[model]
+
+    def fit(strategy, p):
+        torch._dynamo.reset()
+        with sdpa_kernel(SDPBackend.MATH):
+            return _fit_tokens(strategy, build, p, recorder=LossRecorder, fused=True)
+
+    strategy, _ = _compare_whole_step(model + " iteration", fit, "bf16-mixed",
+                                      graphs={"whole_step": None, "capture_optimizer": True})
+    stats = strategy.last_step_graph_stats
+    print(f"{model} iteration: updates in the step graph {stats.updates}")
+    assert stats.refusal is None and stats.update_refusal is None and stats.updates == STEPS - 2, stats
+    assert strategy.last_optimizer_replays == stats.updates
 
 
 @pytest.mark.parametrize("model", ["mixtral-router-loss", "qwen2-moe"])

@@ -335,17 +335,23 @@ def test_grad_dtype_other_than_the_parameters_is_refused_with_a_reason():
     assert strategy.last_optimizer_replays == 0
 
 
-def test_replay_count_is_per_fit():
-    """``last_optimizer_replays`` counts the last fit only (fit called twice on one Trainer)."""
+@pytest.mark.parametrize("whole_step", [None, False], ids=["iteration-graph", "per-layer"])
+def test_replay_count_is_per_fit(whole_step):
+    """``last_optimizer_replays`` counts the last fit only (fit called twice on one Trainer). Without a hook between
+    the backward and the step, the whole step's graph holds the update from the capture step on (every step after
+    warmup counts); with per-layer graphs the optimizer's own graph replays from FIRST_REPLAY on."""
     seed_everything(7)
-    strategy = cg_strategy(capture_optimizer=True)
+    strategy = cg_strategy(capture_optimizer=True, whole_step=whole_step)
     trainer = make_trainer(strategy, 8)
     model, data = GPTLightningModule(**STEP_MODEL), TextDataModule(**DATA)
     trainer.fit(model, datamodule=data)
-    assert strategy.last_optimizer_replays == 8 - FIRST_REPLAY
+    expected = 8 - (WARMUP if whole_step is None else FIRST_REPLAY)
+    assert strategy.last_optimizer_replays == expected
     trainer.fit_loop.epoch_loop.max_steps = 16
     trainer.fit(model, datamodule=data)
-    assert strategy.last_optimizer_replays == 8 - FIRST_REPLAY  # the second fit warms up and captures again
+    assert strategy.last_optimizer_replays == expected  # the second fit warms up and captures again
+    if whole_step is None:
+        assert strategy.last_step_graph_stats.updates == expected
 
 
 class _SkipOddSteps(GPTLightningModule):

@@ -119,6 +119,9 @@ def run(s: RunSettings, peer: str = "cudagraph_ddp") -> PeerResult:
             capture_s = (capture_s or 0.0) + float(step_stats.capture_seconds)
         if (step_stats is None or not step_stats.replays) and graphs.get("whole_step"):
             notes.append("the whole step was never replayed from a graph")
+        if capture_optimizer and step_stats is not None and step_stats.replays and not step_stats.updates:
+            notes.append("the optimizer update never ran inside the step's graph: "
+                         f"{step_stats.update_refusal or 'its values changed'}")
     elif stats is None:
         notes.append("the strategy kept no graph stats")
     # Capture happens at the start of step max(1, graphs.warmup_steps) (0-based); timing starts at step `warmup`.
@@ -149,8 +152,8 @@ PEER_USER_COMPILE = _variant("cudagraph_ddp_user_compile", True,
                              "cudagraph_ddp's defaults on a model the LightningModule compiled itself "
                              "(self.model = torch.compile(self.model), default mode)")
 PEER_STEP_OPT = _variant("cudagraph_ddp_step_opt", False,
-                         "cudagraph_ddp's defaults plus graphs.capture_optimizer=True: the whole step's graph and the "
-                         "fused AdamW step's graph, two launches an iteration")
+                         "cudagraph_ddp's defaults plus graphs.capture_optimizer=True: the fused AdamW update "
+                         "recorded at the end of the whole step's graph, one launch an iteration")
 PEER_USER_COMPILE_OPT = _variant("cudagraph_ddp_user_compile_opt", True,
                                  "cudagraph_ddp_user_compile plus graphs.capture_optimizer=True")
 PEER_PER_LAYER = _variant("cudagraph_ddp_per_layer", False,

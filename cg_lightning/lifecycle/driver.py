@@ -204,7 +204,8 @@ class TrainingDriver:
 
     # ------------------------------------------------------------------------------------ optimizer
     @contextlib.contextmanager
-    def stepping(self, optimizer: torch.optim.Optimizer, refusal: Optional[str] = None) -> Iterator[None]:
+    def stepping(self, optimizer: torch.optim.Optimizer, refusal: Optional[str] = None,
+                 updated: Optional[Callable[[], bool]] = None) -> Iterator[None]:
         """Inside, ``optimizer.step(closure)`` is, where it applies: the captured step graph
         (``graphs.capture_optimizer``, once the layers replay: a fused Adam/AdamW step recorded and replayed while
         its values hold), else the cached fused Adam step (``graphs.cached_optimizer_step``), else the
@@ -214,12 +215,14 @@ class TrainingDriver:
             optimizer: the torch optimizer (not a front-end's wrapper).
             refusal: a reason of the front-end's why the step must not be captured (a GradScaler that checks
                 the gradients on the host), or ``None``; read when the optimizer is first seen after capture.
+            updated: asked after the step's closure ran: ``True`` when a graph of the whole iteration updated the
+                weights already (the update is then skipped; :mod:`cg_lightning.trainer.step_update`).
         """
         step = self._optimizer_steps.step_for(optimizer, refusal)
-        if step is None:
+        if step is None and updated is None:
             yield
             return
-        with step_replaced(optimizer, step):
+        with step_replaced(optimizer, step, updated):
             yield
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer):

@@ -79,10 +79,10 @@ class _Group:
         grouped = group_tensors_by_device_and_dtype(lists)
         self.buckets = [tuple(tensors) for (_, (tensors, _)) in grouped.items()]
 
-    def unchanged(self) -> bool:
+    def unchanged(self, grads: bool = True) -> bool:
         params = self.group["params"]
         return params is self.params and len(params) == len(self.grads) and self.group["amsgrad"] == self.amsgrad \
-            and all(map(operator.is_, map(_GRAD, params), self.grads))
+            and (not grads or all(map(operator.is_, map(_GRAD, params), self.grads)))
 
 
 class CachedFusedAdamStep:
@@ -134,14 +134,33 @@ class CachedFusedAdamStep:
         lists are rebuilt if the step is plain (a new :attr:`generation`)."""
         opt = self.optimizer
         type(opt).step(opt)
+        self.rebuild()
+
+    def rebuild(self) -> bool:
+        """Build the lists anew from the optimizer as it is now (a new :attr:`generation`), without a step: whether
+        they could be (the step is plain and every parameter with a gradient has its Adam state: one step taken)."""
+        opt = self.optimizer
         self._groups = None
         self.generation += 1
-        if self._plain():
-            self._groups = [_Group(opt, g) for g in opt.param_groups]
-            self._param_groups, self._state = opt.param_groups, opt.state
-            self._state_dicts = list(opt.state.values())
-            pairs = [(d, k) for d in self._state_dicts for k in _STATE_KEYS if k in d]  # amsgrad: checked per group
-            self._state_items = ([d for d, _ in pairs], [k for _, k in pairs], [d.get(k) for d, k in pairs])
+        if not self.plain() or not self.has_state():
+            return False
+        self._groups = [_Group(opt, g) for g in opt.param_groups]
+        self._param_groups, self._state = opt.param_groups, opt.state
+        self._state_dicts = list(opt.state.values())
+        pairs = [(d, k) for d in self._state_dicts for k in _STATE_KEYS if k in d]  # amsgrad: checked per group
+        self._state_items = ([d for d, _ in pairs], [k for _, k in pairs], [d.get(k) for d, k in pairs])
+        return True
+
+    def has_state(self) -> bool:
+        """Every parameter with a gradient has the state an Adam step reads (``step``, ``exp_avg``, ``exp_avg_sq``,
+        and ``max_exp_avg_sq`` under ``amsgrad``): the optimizer has stepped since it got it."""
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            keys = _STATE_KEYS if group["amsgrad"] else _STATE_KEYS[:3]
+            for p in group["params"]:
+                if p.grad is not None and not all(k in state.get(p, ()) for k in keys):
+                    return False
+        return True
 
     def launch(self) -> None:
         """The update on the cached lists, without any check (the caller checked :meth:`usable`): per group and
@@ -156,7 +175,7 @@ class CachedFusedAdamStep:
         gradients."""
         return [t for cached in self._groups or () for bucket in cached.buckets for t in (*bucket[0], *bucket[1])]
 
-    def _plain(self) -> bool:
+    def plain(self) -> bool:
         """Conditions on the optimizer as a whole and on each group's settings (cheap: no per-parameter work)."""
         opt = self.optimizer
         if has_step_hooks(opt) or getattr(opt, "grad_scale", None) is not None \
@@ -168,15 +187,16 @@ class CachedFusedAdamStep:
                 return False
         return True
 
-    def usable(self) -> bool:
-        """Whether the cached lists still describe the optimizer (the conditions of the module docstring)."""
+    def usable(self, grads: bool = True) -> bool:
+        """Whether the cached lists still describe the optimizer (the conditions of the module docstring);
+        ``grads=False`` leaves out the gradients' identity (a graph that writes the gradients it then reads)."""
         opt = self.optimizer
         groups = self._groups
         if groups is None or opt.param_groups is not self._param_groups or opt.state is not self._state:
             return False
-        if len(groups) != len(opt.param_groups) or not self._plain() or not self._state_unchanged():
+        if len(groups) != len(opt.param_groups) or not self.plain() or not self._state_unchanged():
             return False
-        return all(c.group is g and c.unchanged() for c, g in zip(groups, opt.param_groups))
+        return all(c.group is g and c.unchanged(grads) for c, g in zip(groups, opt.param_groups))
 
     def _state_unchanged(self) -> bool:
         """Every per-parameter state dict, and every tensor in it, is the one the lists hold (a state cleared,

@@ -168,16 +168,33 @@ def _body(cached: CachedFusedAdamStep) -> Callable[[], list]:
 
 
 @contextmanager
-def step_replaced(optimizer: torch.optim.Optimizer, step: Callable[[Optional[Callable[[], Any]]], Any]) -> Iterator[None]:
+def step_replaced(optimizer: torch.optim.Optimizer, step: Optional[Callable[[Optional[Callable[[], Any]]], Any]],
+                  updated: Optional[Callable[[], bool]] = None) -> Iterator[None]:
     """Within the block, ``optimizer.step(closure=None, **kwargs)`` calls ``step(closure)`` instead (an instance
     attribute over the class method; whatever instance attribute was there, e.g. an LR scheduler's
-    wrapper, is put back afterwards). Marks the step as taken for LR schedulers (``torch_compat.mark_optimizer_stepped``)."""
+    wrapper, is put back afterwards). Marks the step as taken for LR schedulers (``torch_compat.mark_optimizer_stepped``).
+
+    ``updated``: asked after the closure ran (with grad enabled, as torch's steps run it); ``True`` means the
+    closure's replayed graph updated the weights already, so ``step`` is skipped. ``step=None``: the optimizer's
+    own ``step`` as it was before the block."""
     had = "step" in optimizer.__dict__
     saved = optimizer.__dict__.get("step")
+    own = optimizer.step
 
     def replaced(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         mark_optimizer_stepped(optimizer)
-        return step(closure)
+        if updated is None:
+            return step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not updated():
+            if step is not None:
+                step(None)
+            else:
+                own(**kwargs)
+        return loss
 
     optimizer.step = replaced
     try:

@@ -72,7 +72,8 @@ class LogRecorder:
         self.calls.append(((name, value.detach()) + args, kwargs))
 
 
-_LIGHTNING_BASES = ("LightningModule", "HooksMixin", "ModelHooks", "DataHooks", "CheckpointHooks", "Callback")
+#: Lightning's classes that define the hooks: a hook defined below them is the user's
+LIGHTNING_BASES = ("LightningModule", "HooksMixin", "ModelHooks", "DataHooks", "CheckpointHooks", "Callback")
 
 
 def static_refusal(strategy: Any) -> Optional[str]:
@@ -86,16 +87,15 @@ def static_refusal(strategy: Any) -> Optional[str]:
     if getattr(strategy.engine, "shards", None) is not None:
         return "ddp.distributed_optimizer is not supported with a graph of the whole step yet"
     for name in _USER_HOOKS:
-        if overridden(module, name, _LIGHTNING_BASES):
+        if overridden(module, name, LIGHTNING_BASES):
             return f"{type(module).__name__}.{name} is overridden and would run only when the step is captured"
     for hook in _BEFORE_BACKWARD_HOOKS:
         for owner in (module, *module.trainer.callbacks):
-            if overridden(owner, hook, _LIGHTNING_BASES):
+            if overridden(owner, hook, LIGHTNING_BASES):
                 what = (f"{type(module).__name__}.{hook} is overridden" if owner is module
                         else f"the callback {type(owner).__name__} implements {hook}")
                 return f"{what}, which would run after the replayed backward instead of before it"
     return _gradient_carried_over(strategy)
-
 
 
 def _gradient_carried_over(strategy: Any) -> Optional[str]:

@@ -122,7 +122,9 @@ class StepHooksMixin:
         scaler = getattr(self.precision_plugin, "scaler", None)
         refusal = ("the GradScaler of 16-mixed checks the gradients for inf/NaN on the host before each step"
                    if scaler is not None else None)
-        with driver.stepping(optimizer, refusal):
+        whole = self.whole_step  # a fused Adam's update may run inside the step's graph: optimizer.step() skips it
+        updated = whole.take_update if whole is not None and whole.update is not None else None
+        with driver.stepping(optimizer, refusal, updated):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         driver.after_optimizer_step(zero_grad=False)
         return out
@@ -134,5 +136,7 @@ class StepHooksMixin:
 
     @property
     def optimizer_replays(self) -> int:
-        """Optimizer steps replayed from a graph so far in this fit (``graphs.capture_optimizer``)."""
-        return self.driver.optimizer_replays if self.driver is not None else 0
+        """Optimizer steps replayed from a graph so far in this fit (``graphs.capture_optimizer``), their own or the
+        whole step's."""
+        in_step = self.whole_step.stats.updates if self.whole_step is not None else 0
+        return (self.driver.optimizer_replays if self.driver is not None else 0) + in_step

@@ -1,15 +1,11 @@
 """The whole training step replayed from one graph under the Lightning strategy (``graphs.whole_step``).
 
-The step function captured (:mod:`cg_lightning.graphs.step.whole_step`) is Lightning's own: the strategy's
-``training_step`` (the precision plugin's autocast, the engine's forward, the module's ``training_step``), then
-``main_grad`` zeroed, the precision plugin's ``backward`` and the engine's gradient sync. Lightning's closure runs
-around it as always; where it would call the backward, the strategy only runs the ``on_before_backward`` and
-``on_after_backward`` hooks and exposes the gradients again. Clipping, ``on_before_optimizer_step``, the optimizer
-step (its own graph under ``graphs.capture_optimizer``, the cached fused Adam step, or the optimizer's own),
-schedulers, checkpoints and validation stay outside the step's graph.
-
-``self.log`` inside ``training_step`` is recorded at capture (a tensor logged is one of the graph's static
-outputs) and issued again after every replay, so the progress bar and the loggers see every step's values.
+The step function captured is Lightning's own training step, backward and gradient sync (:mod:`.step_function`).
+Lightning's closure runs around it as always; where it would call the backward, the strategy only runs the
+``on_before_backward`` and ``on_after_backward`` hooks and exposes the gradients again. Clipping, the optimizer step,
+schedulers, checkpoints and validation stay outside the step's graph, except the update of a fused Adam under
+``graphs.capture_optimizer`` where no hook runs between the backward and it (:mod:`.step_update`). ``self.log`` calls
+in ``training_step`` are recorded at capture and issued again after every replay.
 
 By default (``graphs.whole_step`` unset) the step is captured only where that is provably safe: the
 ``training_step``'s Python reads nothing that changes between steps except what is compared before each replay
@@ -33,19 +29,18 @@ eagerly (``shape_policy="eager"``, one warning), raises (``"error"``) or is capt
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
-import torch
-
-from .. import protocol, torch_compat
+from .. import torch_compat
 from ..graphs import GraphSignatureError
 from ..graphs.step.capture_reads import ReadsDiverged
 from ..graphs.errors import HostSyncError
 from ..graphs.selection import no_default_layers_message
 from ..graphs.step.step_code import StepCodeReport, check_step_code
 from ..graphs.step.whole_step import StepGraph, StepGraphs, StepGuards
-from .step_checks import FRAMEWORK, LogRecorder, StepCaptureRefused, raised_at, static_refusal, step_output
+from .step_checks import FRAMEWORK, raised_at, static_refusal, step_output
+from .step_function import LightningStepFunction
+from .step_update import EAGER, RESET, StepUpdate, update_phrase, update_refusal
 
 
 class LightningWholeStep:
@@ -86,6 +81,10 @@ class LightningWholeStep:
             driver.graph_manager.selection.suspend()
         self._backward_done = False
         self._mismatch_warned = False
+        #: the optimizer's update in the step's graphs (graphs.capture_optimizer, where it can be: :mod:`.step_update`)
+        self.update: Optional[StepUpdate] = None
+        self._updated = False  # this step's graph ran the optimizer's update
+        self._announced: Optional[bool] = None  # whether the last capture announced held the update
         driver.layers_paused = True
 
     # ----------------------------------------------------------------- refusals
@@ -132,7 +131,7 @@ class LightningWholeStep:
     def training_step(self, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
         """Lightning's training step, replayed or captured where due: ``(True, output)``; ``(False, None)``: the
         caller runs the step its usual way (warmup, a refused or eager step)."""
-        self._backward_done = False
+        self._backward_done = self._updated = False
         if self.graphs is None:
             return False, None
         trainer = self.strategy.lightning_module.trainer
@@ -143,6 +142,10 @@ class LightningWholeStep:
                 self.give_up(reason)
                 return False, None
             self.strategy.engine.adoption.want()  # no gradient buffer beside the activations before the capture
+            if self.options.capture_optimizer:
+                reason = self.stats.update_refusal = update_refusal(self.strategy, self.graphs.backend.name)
+                if reason is None:
+                    self.update = StepUpdate(self.strategy.optimizers[0], self.strategy.engine.expose_grads)
         if trainer.accumulate_grad_batches != 1:  # each step: a GradientAccumulationScheduler sets it per epoch
             self.give_up(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})")
             return False, None
@@ -151,6 +154,8 @@ class LightningWholeStep:
         if self._start_step is None:
             self._start_step = step
         if step < self._start_step + max(1, self.options.warmup_steps) or not args:
+            if self.update is not None:
+                self.update.observe()
             return False, None
         batch, rest = args[0], args[1:]
         graphs = self.graphs
@@ -162,21 +167,41 @@ class LightningWholeStep:
             if changed is not None:
                 self.give_up(changed)
                 return False, None
+        update, include, reset = self.update, False, False
+        if update is not None:  # the optimizer's values decide whether the graphs hold its update
+            action, include = update.plan(bool(graphs.graphs))
+            if action == EAGER:
+                self.stats.eager_steps += 1
+                return False, None
+            if action == RESET:
+                graphs.reset()
+                reset = True
+        first = not graphs.graphs
         graph = graphs.find(batch)
         if graph is None:
             if graphs.graphs and (self.options.shape_policy != "recapture" or graphs.full):
                 return self._other_signature(batch)
-            graph = self._capture(batch, rest, kwargs)
+            graph = self._capture(batch, rest, kwargs, include, reset)
             if graph is None:
                 return False, None
+            if update is not None:
+                update.captured(include, first)
         else:
             graphs.replay(graph, batch)
+            if update is not None:
+                update.replayed()
+        if include:
+            self._updated = True
+            self.stats.updates += 1
         self._issue_logs(graph)
         self._backward_done = True
         return True, step_output(graph)
 
-    def _capture(self, batch: Any, rest: tuple, kwargs: dict) -> Optional[StepGraph]:
-        calls: List[Tuple[tuple, dict]] = []
+    def _capture(self, batch: Any, rest: tuple, kwargs: dict, include: bool = False,
+                 reset: bool = False) -> Optional[StepGraph]:
+        """Capture this step (with the optimizer's update at its end if ``include``) and run it; ``None`` once the
+        capture failed (the step is then run eagerly by the caller). ``reset``: the graphs were dropped for a
+        change of the update's values (announced only when the update joins or leaves the graph)."""
         strategy = self.strategy
         module = strategy.lightning_module
         # host reads of constants are answered from the eager run and all others refused, naming the line; code that
@@ -184,48 +209,13 @@ class LightningWholeStep:
         # which dispatch modes would keep from running (and which takes its traced path under "ddp" too).
         compiled = self.options.compile or torch_compat.contains_compiled(module)
         eager_path = not compiled
-        code = self.code
-        kept = code.values() if code is not None else ()  # the watched values before the step ran
-        runs = [0]
-
-        before = StepGuards(module)  # the submodules' attributes: each run at capture starts from them too
-
-        def body(static_batch: Any) -> Any:
-            if runs[0]:  # each run at capture starts from the same Python state
-                before.restore_attributes()
-                if code is not None:
-                    code.restore(kept)
-            runs[0] += 1
-            strategy.engine.adoption.step_begins()  # the eager run's gradients freed before the captured forward
-            calls.clear()
-            module.log = LogRecorder(calls)
-            try:
-                out = self.run_training_step(static_batch, *rest, **kwargs)
-            finally:
-                del module.log
-            loss = out.get("loss") if isinstance(out, Mapping) else out
-            if not isinstance(loss, torch.Tensor):
-                raise StepCaptureRefused(f"training_step returned {type(out).__name__} without a loss tensor")
-            engine = strategy.engine
-            stats = self.stats
-            # the first share of each main_grad copied in (the buffer left unfilled), or adopted where transient:
-            # where an earlier backward showed that only the hooks write main_grad
-            fresh = stats.fresh_main_grads = stats.fresh_main_grads or engine.adoption.proven
-            engine.zero_grad_buffer(fill=not fresh)
-            strategy.driver.before_backward(loss)
-            # a few multi-tensor kernels instead of one a parameter; one process: first shares adopted, not copied
-            with engine.grad_adds_batched(fresh, adopt=True) as adds:
-                strategy.precision_plugin.backward(loss, module, None)
-                if engine.sync_enabled:
-                    engine.finish_grad_sync()
-            if not fresh:  # later runs copy if every main_grad got its gradients through the engine's hooks alone
-                stats.fresh_main_grads = all(id(m) in adds.queued for m in map(protocol.main_grad, engine.params))
-            return out
-
+        body = LightningStepFunction(strategy, self.run_training_step, self.stats, self.code, rest, kwargs)
+        calls = body.calls
+        tail = self.update.tail if include else None
         try:
             try:
                 graph = self.graphs.capture(body, batch, module, extras=calls, eager_path=eager_path,
-                                            compiled=compiled)
+                                            compiled=compiled, tail=tail)
             except (HostSyncError, ReadsDiverged) as exc:
                 if self.auto or not eager_path:
                     raise
@@ -236,7 +226,7 @@ class LightningWholeStep:
                     "an explicit attention mask), which may round differently from eager steps in bf16. Unset "
                     "graphs.whole_step to train such a step with per-layer graphs, exactly.", stacklevel=4)
                 strategy.engine.adoption.undo()
-                graph = self.graphs.capture(body, batch, module, extras=calls, compiled=compiled)
+                graph = self.graphs.capture(body, batch, module, extras=calls, compiled=compiled, tail=tail)
             strategy.engine.adoption.keep()  # the gradients stay where the graph writes them
         except Exception as exc:  # noqa: BLE001 - any failure: per-layer graphs, and this step runs eagerly
             strategy.engine.adoption.undo()
@@ -247,21 +237,27 @@ class LightningWholeStep:
             self.give_up(f"capturing it failed: {type(exc).__name__}: {str(exc).rstrip('.')}"
                          + (f" (raised under {where})" if where else ""))
             return None
-        changed = code.changed(kept) if code is not None else None
-        changed = f"training_step changes what it reads ({changed})" if changed else before.changed_by_step()
+        changed = body.changed()
         if changed is not None:  # e.g. self.history.append(...) or a counter in a forward: a replay would not do it
             self.give_up(f"{changed}, which a replay would not do")
             return graph  # this step's result stands: it ran as captured
         if self.guards is None:
             self.guards = StepGuards(module)
-            self._watched_values = code.values() if code is not None else ()
-        stats = self.graphs.stats
-        self.announce(f"cg_lightning: captured the whole training step (forward, loss, backward, gradient sync) as "
-                      f"one graph with the {self.graphs.backend.name} backend in {stats.capture_seconds:.2f} s"
-                      + (f" ({stats.captures} batch signatures)" if stats.captures > 1 else "")
-                      + ("; the optimizer step is replayed from a graph of its own while its values hold"
-                         if self.options.capture_optimizer else "; the optimizer step runs eagerly"))
+            self._watched_values = self.code.values() if self.code is not None else ()
+        if not reset or include != self._announced:
+            self._announced = include
+            self._announce_capture(include)
         return graph
+
+    def _announce_capture(self, include: bool) -> None:
+        stats = self.stats
+        what = ("iteration (forward, loss, backward, gradient sync, optimizer update)" if include
+                else "step (forward, loss, backward, gradient sync)")
+        self.announce(f"cg_lightning: captured the whole training {what} as one graph with the "
+                      f"{self.graphs.backend.name} backend in {stats.capture_seconds:.2f} s"
+                      + (f" ({stats.captures} captures)" if stats.captures > 1 else "")
+                      + update_phrase(include, self.update is not None, self.options.capture_optimizer,
+                                      stats.update_refusal))
 
     def _other_signature(self, batch: Any) -> Tuple[bool, Any]:
         lines = self.graphs.mismatches(batch)
@@ -281,6 +277,12 @@ class LightningWholeStep:
         log = self.strategy.lightning_module.log
         for args, kwargs in graph.extras:
             log(*args, **kwargs)
+
+    def take_update(self) -> bool:
+        """Whether the step just replayed (or captured) ran the optimizer's update, which Lightning's
+        ``optimizer.step()`` is about to ask for."""
+        done, self._updated = self._updated, False
+        return done
 
     def take_backward(self) -> bool:
         """Whether the step just replayed (or captured) already ran the backward Lightning is about to ask for."""

@@ -6,8 +6,9 @@ autograd's walk over the graph nodes, the engine's bookkeeping. On a small model
 the host a copy of the batch into static buffers, one launch and the optimizer step. The idea is Megatron-LM's
 full-iteration graphs (``megatron/core/full_cuda_graph.py``: the forward and backward of a step in one graph,
 the optimizer outside) and NeMo's CUDA-graph callback for Lightning. The optimizer step stays outside here too,
-so the update is the one eager PyTorch computes: a ``capturable`` Adam computes its bias corrections on the
-device, in another order, and would not be bit-exact.
+unless a front-end appends an update that is exact when recorded (``tail``: the fused Adam kernels with the
+groups' values as arguments, :mod:`cg_lightning.trainer.step_update`); a ``capturable`` Adam computes its bias
+corrections on the device, in another order, and would not be bit-exact.
 
 A *step function* ``body(batch)`` runs the forward and the loss, then the backward (the engine's hooks add and
 all-reduce the gradients as they do eagerly), and returns the step's output. It is captured for one batch
@@ -113,7 +114,11 @@ class StepGraphStats:
 
     captures: int = 0  #: step graphs captured (one per batch signature)
     replays: int = 0  #: steps replayed from a graph
-    eager_steps: int = 0  #: steps after warmup that ran eagerly (a batch of another signature)
+    #: steps after warmup that ran eagerly (a batch of another signature; the step where the optimizer's values
+    #: changed under a graph that holds its update)
+    eager_steps: int = 0
+    updates: int = 0  #: optimizer updates run inside the step's graph (``graphs.capture_optimizer``)
+    update_refusal: Optional[str] = None  #: why the optimizer's update is not part of the step's graph
     capture_seconds: float = 0.0  #: wall time of the captures, warmup runs included
     signatures: List[str] = field(default_factory=list)  #: the captured batch signatures, as text
     refusal: Optional[str] = None  #: why the step is not (or no longer) replayed from a graph
@@ -157,7 +162,8 @@ class StepGraphs:
         return len(self.graphs) >= self.max_graphs
 
     def capture(self, body: Callable[[Any], Any], batch: Any, module: nn.Module, extras: Any = None, *,
-                eager_path: bool = False, compiled: bool = False) -> StepGraph:
+                eager_path: bool = False, compiled: bool = False,
+                tail: Optional[Callable[[], None]] = None) -> StepGraph:
         """Capture ``body`` for ``batch``'s signature and run this step (the returned graph's :meth:`~StepGraph.output`
         holds its result).
 
@@ -172,6 +178,8 @@ class StepGraphs:
                 takes the path it takes under capture and a host read is refused naming its line, unless
                 ``compiled`` (on the eager backend code is told a stream captures, as it would be on a GPU).
             compiled: the step runs compiled code: no dispatch mode at all (dynamo would run the uncompiled code).
+            tail: work recorded after ``body`` that must run once a step (the optimizer's update): in the captured
+                run (and at every replay of the eager backend), never in the eager run before it.
 
         Raises:
             ValueError: ``batch`` holds no tensor.
@@ -202,15 +210,19 @@ class StepGraphs:
         def captured() -> List[Optional[torch.Tensor]]:
             runs[0] += 1
             if runs[0] > 1:  # an eager backend's replays run the step as it is
-                return run()
-            if recorded is not None:
+                outs = run()
+            elif recorded is not None:
                 with answer_reads(recorded):
-                    return run()
-            # a host read would fail the capture: named with its line; the eager backend's stand-in shows code the
-            # capture it would see on a GPU
-            seen = capture_seen_by_code() if not cuda and not compiled else contextlib.nullcontext()
-            with refuse_host_sync(enabled=not compiled), seen:
-                return run()
+                    outs = run()
+            else:
+                # a host read would fail the capture: named with its line; the eager backend's stand-in shows code
+                # the capture it would see on a GPU
+                seen = capture_seen_by_code() if not cuda and not compiled else contextlib.nullcontext()
+                with refuse_host_sync(enabled=not compiled), seen:
+                    outs = run()
+            if tail is not None:
+                tail()
+            return outs
 
         # main_grad is not kept: the step function zeroes it first, and a failed capture is followed by a step that
         # zeroes it too; a copy would cost the gradients' size at the capture step's peak
@@ -267,3 +279,9 @@ class StepGraphs:
         """Drop every captured step (and, with the last reference, the pool)."""
         self.graphs = []
         self.pool = None
+
+    def reset(self) -> None:
+        """Drop every captured step; later captures go into a new pool (the old one is freed with the last tensor
+        made in it)."""
+        self.graphs = []
+        self.pool = self.backend.new_pool()

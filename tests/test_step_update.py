@@ -1,0 +1,227 @@
+"""``graphs.capture_optimizer`` with the whole step replayed from a graph: the fused AdamW update recorded at the end
+of the step's graph (one launch an iteration) while the optimizer's values hold, against Lightning ``"ddp"`` on the
+same seed and data, bit for bit. On CPU the eager graph backend runs the step (and its update) again at every
+"replay", so these tests check when the update is inside the graph, beside it or eager, and that every mode trains
+exactly like ``"ddp"``; the ``cuda`` tests run real captures on the GPU machine."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback
+
+from cg_lightning.trainer.step_update import EAGER, KEEP, PATIENCE, RESET, StepUpdate
+from tests.helpers import WARMUP, cg_strategy
+from tests.lightning_models import ParityModel, loader
+from tests.lightning_runs import OutcomeRecorder, assert_same, train
+
+STEPS = 14
+
+
+class AdamStep(ParityModel):
+    """A fused AdamW on the parity regression, with a training step that reads only its batch (graphed whole by
+    default); ``batches`` training batches per epoch."""
+
+    def __init__(self, batches: int = 8, **kwargs) -> None:
+        super().__init__(optimizer="fused_adamw", lr=0.01, **kwargs)
+        self.batches = batches
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def train_dataloader(self):
+        return loader(4 * self.batches)
+
+
+class WarmupAdamStep(AdamStep):
+    """The learning rate warmed up linearly over ``warmup`` steps by a per-step scheduler, then constant (or a
+    cosine over the whole run: a new value every step)."""
+
+    def __init__(self, warmup: int = 4, cosine: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.warmup, self.cosine = warmup, cosine
+
+    def configure_optimizers(self):
+        opt = self.make_optimizer(self.parameters())
+        if self.cosine:
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / self.warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _pair(model, *, steps=STEPS, recorder=OutcomeRecorder, graphs=None, **kwargs):
+    """The same fit under "ddp" and under the strategy with ``graphs.capture_optimizer``; facts compared bit for bit.
+    Returns the strategy."""
+    ref = train("ddp", model, max_steps=steps, recorder=recorder, **kwargs)
+    strategy = cg_strategy(capture_optimizer=True, **(graphs or {}))
+    got = train(strategy, model, max_steps=steps, recorder=recorder, **kwargs)
+    assert_same(ref.facts(), got.facts())
+    return strategy
+
+
+def test_with_a_constant_learning_rate_every_update_after_warmup_runs_in_the_step_graph(caplog):
+    """No scheduler: the step is captured with the update at its end in step 2 and replayed with it in every later
+    step; Lightning's ``optimizer.step()`` then only marks the step taken (the optimizer's own graph never
+    records). One line announces the iteration graph. Weights, outputs, optimizer state and learning rates after
+    every batch equal "ddp"."""
+    with caplog.at_level(logging.INFO):
+        strategy = _pair(AdamStep, max_epochs=2)
+    stats = strategy.last_step_graph_stats
+    assert stats.refusal is None and stats.update_refusal is None, stats
+    assert stats.captures == 1 and stats.updates == STEPS - WARMUP and stats.eager_steps == 0, stats
+    assert strategy.last_optimizer_replays == stats.updates  # none from the optimizer's own graph
+    lines = [r.getMessage() for r in caplog.records if "captured the whole training" in r.getMessage()]
+    assert len(lines) == 1 and "iteration" in lines[0] and "optimizer update" in lines[0], lines
+
+
+def test_a_warmup_schedule_keeps_the_update_beside_the_graph_until_the_rate_holds():
+    """A per-step warmup over 6 steps: the step is captured without the update in step 2 (the rate changes every
+    step) and the optimizer's own graph or cached step updates beside it; once the rate held two steps and the
+    first recording served PATIENCE replays the step is captured again with the update. Exact throughout."""
+    steps = 24
+    strategy = _pair(lambda: WarmupAdamStep(warmup=6, batches=32), steps=steps)
+    stats = strategy.last_step_graph_stats
+    recaptured = WARMUP + 1 + PATIENCE  # the first step whose plain recording served PATIENCE replays
+    assert recaptured > 6  # the rate holds by then
+    assert stats.captures == 2 and stats.updates == steps - recaptured and stats.eager_steps == 0, stats
+
+
+def test_a_rate_that_changes_every_step_never_joins_the_step_graph():
+    """A cosine schedule (a new rate every step): one capture without the update, the update beside it every step,
+    exact."""
+    strategy = _pair(lambda: WarmupAdamStep(cosine=True, batches=32), steps=STEPS)
+    stats = strategy.last_step_graph_stats
+    assert stats.captures == 1 and stats.updates == 0 and stats.update_refusal is None, stats
+
+
+class EpochAdamStep(AdamStep):
+    """The learning rate halved at every epoch's end (a StepLR stepped per epoch)."""
+
+    def configure_optimizers(self):
+        opt = self.make_optimizer(self.parameters())
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+def test_an_epoch_schedule_runs_one_eager_step_at_each_change_and_records_the_update_again():
+    """16 batches an epoch, 3 epochs: the first step of each later epoch (a new rate) runs eagerly, the second
+    captures the iteration again with the new rate; every other step after warmup replays with its update."""
+    per_epoch = 16
+    steps = 3 * per_epoch
+    strategy = _pair(lambda: EpochAdamStep(batches=per_epoch), steps=steps, max_epochs=3)
+    stats = strategy.last_step_graph_stats
+    assert stats.eager_steps == 2 and stats.captures == 3, stats
+    assert stats.updates == steps - WARMUP - 2, stats
+
+
+class _SetLR(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            for g in trainer.optimizers[0].param_groups:
+                g["lr"] = 0.003
+
+
+def test_a_rate_set_by_a_callback_after_capture_is_never_replayed_with_the_old_value():
+    """A float assigned to every group's ``lr`` at step 12: that step runs eagerly with it, step 13 records the
+    iteration again, the rest replay; exact."""
+    strategy = _pair(AdamStep, steps=18, max_epochs=3, callbacks=[_SetLR(12)])
+    stats = strategy.last_step_graph_stats
+    assert stats.eager_steps == 1 and stats.captures == 2 and stats.updates == 18 - WARMUP - 1, stats
+
+
+class _ReadsGradients(Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        pl_module.seen = [p.grad.clone() for p in pl_module.parameters()]
+
+
+class _AfterBackward(AdamStep):
+    def on_after_backward(self) -> None:
+        for p in self.parameters():
+            p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("clip", "gradient clipping (gradient_clip_val=0.5)"),
+    ("callback", "the callback _ReadsGradients implements on_before_optimizer_step"),
+    ("hook", "_AfterBackward.on_after_backward is overridden"),
+    ("sgd", "only a fused torch.optim.Adam/AdamW step"),
+])
+def test_what_runs_between_the_backward_and_the_update_keeps_the_update_out_of_the_step_graph(case, expected):
+    """Clipping, a hook that sees the gradients before the update (it could change them, or read the weights), or an
+    optimizer the step graph refuses: the step graph holds no update (the reason is kept), the optimizer steps beside
+    it; the hooks see and do what they do under "ddp", bit for bit."""
+    model, kwargs = AdamStep, {}
+    if case == "clip":
+        kwargs = dict(gradient_clip_val=0.5)
+    elif case == "callback":
+        kwargs = dict(callbacks=[_ReadsGradients()])
+    elif case == "hook":
+        model = _AfterBackward
+    else:
+        def model():
+            m = AdamStep()
+            m.optimizer_name = "adam"  # foreach Adam
+            return m
+    strategy = _pair(model, recorder=OutcomeRecorder, **kwargs)
+    stats = strategy.last_step_graph_stats
+    assert stats.refusal is None and stats.updates == 0 and expected in stats.update_refusal, stats
+
+
+def test_a_transformers_llama_trains_with_its_whole_iteration_in_one_graph():
+    """A random tiny ``LlamaForCausalLM`` with fused AdamW: the iteration (its constant host reads answered at
+    capture) replays with the update from step 2 on; its weights equal "ddp"'s bit for bit."""
+    hf = pytest.importorskip("tests.hf_models")
+    steps = 8
+    ref, _ = hf.fit_hf("ddp", hf.tiny_llama, steps=steps, fused=True)
+    strategy = cg_strategy(capture_optimizer=True)
+    got, _ = hf.fit_hf(strategy, hf.tiny_llama, steps=steps, fused=True)
+    hf.assert_same_weights(got.model, ref.model)
+    stats = strategy.last_step_graph_stats
+    assert stats.refusal is None and stats.update_refusal is None and stats.updates == steps - WARMUP, stats
+
+
+def _update(lr: float = 0.01) -> StepUpdate:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=lr, fused=True)
+    p.grad = torch.ones(3)
+    opt.step()
+    return StepUpdate(opt, lambda: None)
+
+
+def test_values_that_flip_back_and_forth_cost_ever_fewer_recaptures():
+    """The plan alone: a rate held two steps is recorded with the update; a change runs one step eagerly, then
+    (held again) is recorded anew only if the recording served PATIENCE replays; one that served fewer is replaced by
+    a recording without the update and the patience grows fourfold."""
+    update = _update()
+    group = update.optimizer.param_groups[0]
+    update.observe()
+    assert update.plan(has_graphs=False) == (KEEP, True)
+    update.captured(include=True, first=True)
+    update.tail()  # what the capture records (here: runs)
+    for _ in range(PATIENCE):
+        assert update.plan(has_graphs=True) == (KEEP, True)
+        update.replayed()
+    group["lr"] = 0.02
+    assert update.plan(has_graphs=True) == (EAGER, False)
+    assert update.plan(has_graphs=True) == (RESET, True)  # held two steps, the recording served PATIENCE
+    update.captured(include=True, first=True)
+    update.tail()  # what the capture records (here: runs)
+    group["lr"] = 0.03  # a change right after the recording
+    assert update.plan(has_graphs=True) == (EAGER, False)
+    assert update.plan(has_graphs=True) == (RESET, False) and update.patience == 4 * PATIENCE
+    update.captured(include=False, first=True)
+    for _ in range(4 * PATIENCE - 1):
+        assert update.plan(has_graphs=True) == (KEEP, False)
+        update.replayed()
+    assert update.plan(has_graphs=True) == (KEEP, False)  # served 4 * PATIENCE - 1
+    update.replayed()
+    assert update.plan(has_graphs=True) == (RESET, True)
