@@ -215,3 +215,21 @@ class ClipHeadModel(ParityModel):
         rest = [p for n, p in self.named_parameters() if not n.startswith("body.head.")]
         torch.nn.utils.clip_grad_value_(rest, 0.02)
         self.events.append(("clipped", {n: p.grad.clone() for n, p in self.named_parameters()}))
+
+
+class PlainAdamModel(ParityModel):
+    """A fused AdamW (lr 0.01) and a training step that reads only its batch (graphed whole by default), on
+    ``batches`` batches of 4 an epoch (in one process)."""
+
+    def __init__(self, batches: int = 8, **kwargs) -> None:
+        super().__init__(optimizer="fused_adamw", lr=0.01, **kwargs)
+        self.batches = batches
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def train_dataloader(self):
+        return loader(4 * self.batches)

@@ -233,7 +233,7 @@ def test_comparison_names_the_first_difference():
 
 # ----------------------------------------------------------------- two processes over gloo
 DIST_SCENARIOS = ["fit", "accumulate_clip", "manual_accumulate", "manual_accumulate_no_sync", "gan",
-                  "find_unused_by_rank", "whole_step"]
+                  "find_unused_by_rank", "whole_step", "iteration_graph", "iteration_graph_rank_rate"]
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +257,9 @@ def dist_runs(tmp_path_factory):
 def test_two_processes(dist_runs, scenario):
     """Each rank's facts equal between the sides: plain training; Adam with 2 batches accumulated and clipping
     by norm; manual accumulation; the GAN; a head used on one rank at a time (find-unused strategies); the whole
-    step replayed as one graph (``graphs.whole_step``) with clipping."""
+    step replayed as one graph (``graphs.whole_step``) with clipping; the fused AdamW update inside the step's graph
+    (``graphs.capture_optimizer``), and a rate changed on rank 0 only, which takes the update out on both ranks
+    (their agreement) instead of leaving them to capture at different steps."""
     for rank in (0, 1):
         sides = {}
         for side, folder in dist_runs.items():
@@ -271,4 +273,10 @@ def test_two_processes(dist_runs, scenario):
         if scenario == "whole_step":  # the candidate's steps after warmup were replayed from its step graph
             replays = dist_runs["candidate"] / f"{scenario}.rank{rank}.replays"
             assert replays.exists() and int(replays.read_text()) > 0, f"rank {rank}: no step replayed"
+        if scenario.startswith("iteration_graph"):  # 12 steps, 2 of warmup; the rate differs from step 5
+            updates, refusal = (dist_runs["candidate"] / f"{scenario}.rank{rank}.updates").read_text().split("\n")
+            if scenario == "iteration_graph":
+                assert int(updates) == 10 and refusal == "None", (rank, updates, refusal)
+            else:
+                assert int(updates) == 3 and "differ between ranks" in refusal, (rank, updates, refusal)
 

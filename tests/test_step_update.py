@@ -7,36 +7,21 @@ exactly like ``"ddp"``; the ``cuda`` tests run real captures on the GPU machine.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import Callback
 
 from cg_lightning.trainer.step_update import EAGER, KEEP, PATIENCE, RESET, StepUpdate
 from tests.helpers import WARMUP, cg_strategy
-from tests.lightning_models import ParityModel, loader
+from tests.lightning_models import PlainAdamModel, loader
 from tests.lightning_runs import OutcomeRecorder, assert_same, train
 
 STEPS = 14
 
 
-class AdamStep(ParityModel):
-    """A fused AdamW on the parity regression, with a training step that reads only its batch (graphed whole by
-    default); ``batches`` training batches per epoch."""
-
-    def __init__(self, batches: int = 8, **kwargs) -> None:
-        super().__init__(optimizer="fused_adamw", lr=0.01, **kwargs)
-        self.batches = batches
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def train_dataloader(self):
-        return loader(4 * self.batches)
+AdamStep = PlainAdamModel
 
 
 class WarmupAdamStep(AdamStep):
@@ -194,34 +179,129 @@ def _update(lr: float = 0.01) -> StepUpdate:
     opt = torch.optim.AdamW([p], lr=lr, fused=True)
     p.grad = torch.ones(3)
     opt.step()
-    return StepUpdate(opt, lambda: None)
+    trainer = SimpleNamespace(gradient_clip_val=None, callbacks=[])
+    strategy = SimpleNamespace(optimizers=[opt], lightning_module=SimpleNamespace(trainer=trainer))
+    return StepUpdate(strategy, lambda: None, "eager", 30.0)
 
 
 def test_values_that_flip_back_and_forth_cost_ever_fewer_recaptures():
     """The plan alone: a rate held two steps is recorded with the update; a change runs one step eagerly, then
     (held again) is recorded anew only if the recording served PATIENCE replays; one that served fewer is replaced by
-    a recording without the update and the patience grows fourfold."""
+    a recording without the update and the patience grows fourfold. A reset waits for a batch of a captured
+    signature (``fits``)."""
     update = _update()
     group = update.optimizer.param_groups[0]
     update.observe()
-    assert update.plan(has_graphs=False) == (KEEP, True)
+    assert update.plan(has_graphs=False, fits=False) == (KEEP, True)
+    update.tail()()  # what the capture records (here: runs)
     update.captured(include=True, first=True)
-    update.tail()  # what the capture records (here: runs)
     for _ in range(PATIENCE):
-        assert update.plan(has_graphs=True) == (KEEP, True)
+        assert update.plan(has_graphs=True, fits=True) == (KEEP, True)
         update.replayed()
     group["lr"] = 0.02
-    assert update.plan(has_graphs=True) == (EAGER, False)
-    assert update.plan(has_graphs=True) == (RESET, True)  # held two steps, the recording served PATIENCE
+    assert update.plan(has_graphs=True, fits=True) == (EAGER, False)
+    assert update.plan(has_graphs=True, fits=False) == (EAGER, False)  # a short last batch: not captured
+    assert update.plan(has_graphs=True, fits=True) == (RESET, True)  # held, the recording served PATIENCE
+    update.tail()()
     update.captured(include=True, first=True)
-    update.tail()  # what the capture records (here: runs)
     group["lr"] = 0.03  # a change right after the recording
-    assert update.plan(has_graphs=True) == (EAGER, False)
-    assert update.plan(has_graphs=True) == (RESET, False) and update.patience == 4 * PATIENCE
+    assert update.plan(has_graphs=True, fits=True) == (EAGER, False)
+    assert update.plan(has_graphs=True, fits=True) == (RESET, False) and update.patience == 4 * PATIENCE
     update.captured(include=False, first=True)
     for _ in range(4 * PATIENCE - 1):
-        assert update.plan(has_graphs=True) == (KEEP, False)
+        assert update.plan(has_graphs=True, fits=True) == (KEEP, False)
         update.replayed()
-    assert update.plan(has_graphs=True) == (KEEP, False)  # served 4 * PATIENCE - 1
+    assert update.plan(has_graphs=True, fits=True) == (KEEP, False)  # served 4 * PATIENCE - 1
     update.replayed()
-    assert update.plan(has_graphs=True) == (RESET, True)
+    assert update.plan(has_graphs=True, fits=True) == (RESET, True)
+
+
+def test_state_moved_to_other_storage_is_not_replayed_on_the_old_addresses():
+    """``exp_avg.data = exp_avg.data.clone()`` (an offloaded state brought back): the same tensor object, new storage.
+    A recording's kernels hold the old addresses, so the plan stops replaying it."""
+    update = _update()
+    update.observe()
+    update.plan(has_graphs=False, fits=False)
+    update.tail()()
+    update.captured(include=True, first=True)
+    assert update.plan(has_graphs=True, fits=True) == (KEEP, True)
+    state = update.optimizer.state[update.optimizer.param_groups[0]["params"][0]]
+    state["exp_avg"].data = state["exp_avg"].data.clone()
+    assert update.plan(has_graphs=True, fits=True) != (KEEP, True)
+
+
+def _lambda_clip(trainer, pl_module, optimizer):
+    for p in pl_module.parameters():
+        p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("how", ["lambda_callback", "module_attribute"])
+def test_hooks_given_as_instance_attributes_keep_the_update_out_of_the_step_graph(how):
+    """``LambdaCallback(on_before_optimizer_step=f)`` and a hook assigned to the module instance (``model.on_after_
+    backward = ...``) are hooks like any other: the update stays out of the step's graph and the hook halves the
+    gradients before it, as under "ddp"."""
+    from lightning.pytorch.callbacks import LambdaCallback
+
+    def model():
+        m = AdamStep()
+        if how == "module_attribute":
+            m.on_after_backward = lambda: [p.grad.mul_(0.5) for p in m.parameters()]
+        return m
+
+    callbacks = [LambdaCallback(on_before_optimizer_step=_lambda_clip)] if how == "lambda_callback" else []
+    strategy = _pair(model, callbacks=callbacks)
+    stats = strategy.last_step_graph_stats
+    assert stats.updates == 0 and stats.update_refusal, stats
+
+
+class _NewOptimizer(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 6:
+            trainer.strategy.setup_optimizers(trainer)
+
+
+class _ClipFrom(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 6:
+            trainer.gradient_clip_val = 0.01
+
+
+@pytest.mark.parametrize("callback,reason", [(_NewOptimizer, "the optimizer was replaced"),
+                                             (_ClipFrom, "gradient clipping (gradient_clip_val=0.01)")])
+def test_a_new_optimizer_or_clipping_during_the_fit_takes_the_update_out_of_the_graph(callback, reason, caplog):
+    """``strategy.setup_optimizers`` or ``trainer.gradient_clip_val`` set at step 6, after the update joined the
+    step's graph: from that step on the step's graph holds no update (one line says why) and the new optimizer
+    steps, or the gradients are clipped before the update, as under "ddp"."""
+    with caplog.at_level(logging.INFO):
+        strategy = _pair(AdamStep, steps=12, max_epochs=2, callbacks=[callback()])
+    stats = strategy.last_step_graph_stats
+    assert stats.updates == 6 - WARMUP and reason in stats.update_refusal, stats
+    assert any("leaves the step's graph" in r.getMessage() for r in caplog.records)
+
+
+def test_a_change_on_an_epochs_short_last_batch_records_again_on_a_full_batch():
+    """30 samples in batches of 4 (a batch of 2 ends each epoch) and a new rate at the step before a short batch:
+    the update is recorded again on the next full batch, not for the short one (which would leave every full batch
+    eager)."""
+    class Ragged(AdamStep):
+        def train_dataloader(self):
+            return loader(30)
+
+    strategy = _pair(Ragged, steps=24, max_epochs=3, callbacks=[_SetLR(6)])
+    stats = strategy.last_step_graph_stats
+    assert stats.signatures[-1].startswith("Tensor[4") and stats.eager_steps <= 6, stats
+
+
+def test_a_parameter_that_never_gets_a_gradient_does_not_keep_the_update_out():
+    """``find_unused_parameters`` with a head that never joins the loss (it has no Adam state): the update is
+    recorded all the same, exactly."""
+    class Unused(AdamStep):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Linear(8, 1)
+
+    ref = train("ddp_find_unused_parameters_true", Unused, max_steps=STEPS, recorder=OutcomeRecorder, max_epochs=2)
+    strategy = cg_strategy(capture_optimizer=True, ddp={"find_unused_parameters": True})
+    got = train(strategy, Unused, max_steps=STEPS, recorder=OutcomeRecorder, max_epochs=2)
+    assert_same(ref.facts(), got.facts())
+    assert strategy.last_step_graph_stats.updates == STEPS - WARMUP, strategy.last_step_graph_stats

@@ -170,10 +170,11 @@ class CachedFusedAdamStep:
             for cached in self._groups:
                 _fused_update(opt, cached.group, cached.buckets)
 
-    def tensors(self) -> List[torch.Tensor]:
-        """The parameters the cached lists update (those that had a gradient when the lists were built) and their
-        gradients."""
-        return [t for cached in self._groups or () for bucket in cached.buckets for t in (*bucket[0], *bucket[1])]
+    def tensors(self, grads: bool = True) -> List[torch.Tensor]:
+        """Every tensor the cached lists hold: the parameters they update (those that had a gradient when the lists
+        were built), their gradients (unless ``grads=False``) and their Adam state (step counts, moments)."""
+        return [t for cached in self._groups or () for bucket in cached.buckets
+                for i, tensors in enumerate(bucket) if grads or i != 1 for t in tensors]
 
     def plain(self) -> bool:
         """Conditions on the optimizer as a whole and on each group's settings (cheap: no per-parameter work)."""

@@ -20,8 +20,8 @@ no warning):
   tensors and ``.grad`` tensors, no step hooks, no GradScaler) and were not rebuilt since the recording;
 * every group's ``lr``, ``betas``, ``weight_decay``, ``eps``, ``amsgrad``, ``maximize`` and
   ``decoupled_weight_decay`` equal the recorded values;
-* every updated parameter's and gradient's storage is where the graph reads and writes (``param.data = ...``
-  moves it).
+* every updated parameter's, gradient's and Adam state tensor's storage is where the graph reads and writes
+  (``param.data = ...`` moves it, as does an offloaded state brought back).
 
 A step whose values differ from the recording runs eagerly; the step is recorded again once the values held for
 two steps in a row (a constant learning rate, or a scheduler between changes), so a scheduler that changes the

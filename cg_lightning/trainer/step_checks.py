@@ -32,7 +32,10 @@ class StepCaptureRefused(RuntimeError):
 
 
 def overridden(obj: Any, name: str, base_names: Tuple[str, ...]) -> bool:
-    """``obj``'s class defines ``name`` below every class named in ``base_names`` (Lightning's own)."""
+    """``obj`` holds ``name`` as an attribute of its own (``LambdaCallback(on_after_backward=f)``, a method assigned
+    to a module), or its class defines it below every class named in ``base_names`` (Lightning's own)."""
+    if name in getattr(obj, "__dict__", {}):
+        return True
     for klass in type(obj).__mro__:
         if name in klass.__dict__:
             return klass.__name__ not in base_names

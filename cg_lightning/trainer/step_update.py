@@ -9,30 +9,38 @@ gradient sync: forward, backward, sync and update are one replay, and Lightning'
 the step taken. (The PyTorch CUDA-graphs notes capture the optimizer step with the rest in their whole-network
 example; Megatron-LM's full-iteration graphs keep it outside.)
 
-Refused for the fit by :func:`update_refusal` (the update is then a graph of its own, or the cached step): another
-number of optimizers than one, an optimizer the step graph refuses, gradient clipping, a ``ddp.grad_dtype`` other
-than the parameters', the module's ``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``
-or ``optimizer_step``, or a callback's ``on_after_backward`` or ``on_before_optimizer_step``.
+Refused by :func:`update_refusal` (the update is then a graph of its own, or the cached step): another number of
+optimizers than one, an optimizer the step graph refuses, gradient clipping, a ``ddp.grad_dtype`` other than the
+parameters', the module's ``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping`` or
+``optimizer_step``, or a callback's ``on_after_backward`` or ``on_before_optimizer_step`` (also as instance
+attributes: ``LambdaCallback``). Checked again whenever the optimizers, the clipping value or the callbacks change
+during the fit; a refusal then takes the update out of the graphs for good.
 
 Decided before every step by :meth:`StepUpdate.plan`. Graphs that hold the update replay while the optimizer is as
-recorded (its param groups and state tensors: ``CachedFusedAdamStep.usable``; its parameters' storage) and every
-group's kernel values equal the recorded ones. The update is recorded into the step's graph when its values equal
-the previous step's (held two steps: a constant learning rate, a scheduler between changes); while they change every
-step (warmup, cosine) the step's graph is recorded without it. A one-off change (an epoch's scheduler step) runs that
-step eagerly and records again at the next. A recording is replaced only after its graphs replayed ``patience``
-times, which grows fourfold each time a recording with the update served fewer: values that flip back and forth
-cost a few captures, not one every other step.
+recorded (its groups and state tensors, the storage of its parameters and state) and every group's kernel values
+equal the recorded ones. The update is recorded into the step's graph when its values equal the previous step's
+(held two steps: a constant learning rate, a scheduler between changes); while they change every step (warmup,
+cosine) the step's graph is recorded without it. A one-off change (an epoch's scheduler step) runs that step eagerly
+and records again at the next step whose batch has a captured signature. A recording is replaced only after its
+graphs replayed ``patience`` times, which grows fourfold each time a recording with the update served fewer. With
+several processes every rank takes the same decision: what it is made from is agreed in one ``MAX`` all-reduce of a
+few integers on a gloo group per step, and values that differ between ranks (a rate changed on some ranks only)
+take the update out of the graphs on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+import hashlib
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
+from .. import protocol
+from ..ddp.peers import peer_errors
+from ..lifecycle.preemption import control_group
 from ..optim.fused_adam_step import CachedFusedAdamStep
 from ..optim.step_graph import kernel_values, optimizer_refusal
-from .. import protocol
 from .step_checks import LIGHTNING_BASES, overridden
 
 #: the module's hooks Lightning runs between the backward and the optimizer's update
@@ -42,7 +50,8 @@ _CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 #: replays a recording serves before it may be replaced, at first
 PATIENCE = 8
 
-KEEP, RESET, EAGER = "keep", "reset", "eager"
+#: replay (or capture this batch's graph); drop the graphs and capture; run eagerly; drop the graphs and run eagerly
+KEEP, RESET, EAGER, DROP = "keep", "reset", "eager", "drop"
 
 
 def update_refusal(strategy: Any, backend_name: str) -> Optional[str]:
@@ -51,8 +60,7 @@ def update_refusal(strategy: Any, backend_name: str) -> Optional[str]:
     optimizers = strategy.optimizers
     if len(optimizers) != 1:
         return f"the fit has {len(optimizers)} optimizers"
-    optimizer = optimizers[0]
-    reason = optimizer_refusal(optimizer, backend_name)
+    reason = optimizer_refusal(optimizers[0], backend_name)
     if reason is not None:
         return reason
     trainer = strategy.lightning_module.trainer
@@ -67,118 +75,190 @@ def update_refusal(strategy: Any, backend_name: str) -> Optional[str]:
         for hook in _CALLBACK_HOOKS:
             if overridden(callback, hook, LIGHTNING_BASES):
                 return f"the callback {type(callback).__name__} implements {hook}, which runs before the update"
-    engine = strategy.engine
-    if any(protocol.main_grad(p).dtype != p.dtype for p in engine.params):
+    if any(protocol.main_grad(p).dtype != p.dtype for p in strategy.engine.params):
         return "ddp.grad_dtype differs from the parameters' dtype (the optimizer reads a cast copy of main_grad)"
     return None
 
 
 def update_phrase(include: bool, joins: bool, capture_optimizer: bool, refusal: Optional[str]) -> str:
     """What a capture's announcement says of the optimizer step: ``include``: the graph holds the update; ``joins``:
-    it will once the values hold; ``refusal``: why it cannot."""
+    it may later (recorded once the values held two steps); ``refusal``: why it cannot."""
     if include:
         return "; the update is replayed with it while the optimizer's values hold"
     if joins:
-        return "; the optimizer step is beside it while its values change, and joins it once they hold"
+        return "; the optimizer step is beside it for now (its values changed since the last step), and joins it " \
+               "once they hold"
     if capture_optimizer:
         return ("; the optimizer step is replayed from a graph of its own while its values hold"
                 + (f" (not part of this graph: {refusal})" if refusal else ""))
     return "; the optimizer step runs eagerly"
 
 
+def _fingerprint(strategy: Any) -> tuple:
+    """What :func:`update_refusal` reads that a fit can change between steps, cheaply compared."""
+    trainer = strategy.lightning_module.trainer
+    return tuple(map(id, strategy.optimizers)), trainer.gradient_clip_val, tuple(map(id, trainer.callbacks))
+
+
+def _digest(values: Optional[tuple]) -> int:
+    """The kernel values as a 63-bit integer, the same in every process (``hash`` of ``None`` is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "little") >> 1
+
+
 class StepUpdate:
     """The optimizer's update inside the step's graphs of one fit (see the module docstring).
 
     Args:
-        optimizer: a fused ``torch.optim.Adam``/``AdamW`` (:func:`update_refusal` found nothing).
+        strategy: the Lightning strategy, set up; its one optimizer (a fused ``torch.optim.Adam``/``AdamW`` that
+            :func:`update_refusal` refused nothing of) is the one updated.
         expose: points ``param.grad`` at the synced ``main_grad`` (the engine's ``expose_grads``), as the optimizer
             sees it in an eager step.
+        backend_name: the step graphs' backend (``"cuda"``: every parameter must be on a GPU).
+        timeout_s: ``ddp.timeout_s``, bounding the agreement between processes.
 
     Attributes:
         recorded: the kernel values the current graphs update with; ``None`` while they hold no update.
         patience: replays a recording must serve before it is replaced.
+        refusal: set once the update left the graphs for good (a later :func:`update_refusal`, or values that
+            differ between ranks).
+
+    Errors: :class:`~cg_lightning.ddp.peers.PeerLostError` when another rank does not take part in the agreement
+    within ``timeout_s``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, expose: Callable[[], None]) -> None:
-        self.optimizer = optimizer
+    def __init__(self, strategy: Any, expose: Callable[[], None], backend_name: str, timeout_s: float) -> None:
+        self.strategy = strategy
+        self.backend_name = backend_name
+        self.optimizer = strategy.optimizers[0]
         self.expose = expose
-        self.cached = CachedFusedAdamStep(optimizer)
+        self.timeout_s = timeout_s
+        self.cached = CachedFusedAdamStep(self.optimizer)
         self.recorded: Optional[tuple] = None
         self.patience = PATIENCE
+        self.refusal: Optional[str] = None
+        self.missing = False  # the latest capture's tail found a parameter without Adam state and recorded nothing
+        self._group = control_group(timeout_s)  # None with one process
+        self._fingerprint = _fingerprint(strategy)
         self._served = 0  # replays of the current recording
         self._previous: Optional[tuple] = None  # the kernel values of the previous step
         self._ptrs: List[int] = []
         self._eager_last = False
 
-    def plan(self, has_graphs: bool) -> Tuple[str, bool]:
-        """Before a step after warmup: ``(action, include)``; ``action`` is :data:`KEEP` (replay the graphs there
-        are, or capture this batch's), :data:`RESET` (drop them and capture this step) or :data:`EAGER` (run this
-        step eagerly); ``include``: a graph captured now holds the update. ``has_graphs``: step graphs exist."""
-        values = kernel_values(self.optimizer)
-        stable = values is not None and values == self._previous
-        self._previous = values
-        recordable = stable and self._recordable()
-        eager_last, self._eager_last = self._eager_last, False
-        if not has_graphs:
-            return KEEP, recordable
-        if self.recorded is None:  # graphs without the update
-            return (RESET, True) if recordable and self._served >= self.patience else (KEEP, False)
-        if values == self.recorded and self._holds():
-            return KEEP, True
-        if recordable and self._served >= self.patience:
-            return RESET, True
-        if not stable and not eager_last:  # a change: one eager step for the values to settle
-            self._eager_last = True
-            return EAGER, False
-        if self._served < self.patience:  # the recording with the update served too few steps
-            self.patience *= 4
-        return RESET, False
-
     def observe(self) -> None:
         """A step that runs eagerly before capture: its values are the previous step's for the next :meth:`plan`."""
         self._previous = kernel_values(self.optimizer)
 
+    def plan(self, has_graphs: bool, fits: bool) -> Tuple[str, bool]:
+        """Before a step after warmup: ``(action, include)``; ``action`` is :data:`KEEP` (replay the graphs there
+        are, or capture this batch's), :data:`RESET` (drop them and capture this step), :data:`EAGER` (run this
+        step eagerly) or :data:`DROP` (drop them and run this step eagerly); ``include``: a graph captured now holds
+        the update. ``has_graphs``: step graphs exist; ``fits``: one of them was captured for this step's batch
+        (else a reset waits for a batch that has one)."""
+        values = kernel_values(self.optimizer)
+        holds = self.recorded is not None and values == self.recorded and self._holds()
+        recordable = holds or self._recordable()  # holding graphs were recorded from a plain step with its state
+        refusal = self._refusal_now()
+        if self._group is not None:
+            digest = _digest(values)
+            got = self._agree([digest, -digest, -int(holds), -int(recordable), int(refusal is not None)])
+            if got[0] != -got[1]:
+                refusal = refusal or "the optimizer's values differ between ranks (a rate changed on some only)"
+            holds, recordable = -got[2] == 1, -got[3] == 1  # true on every rank (the minimum, as -max(-x))
+            refusal = refusal or ("another rank's optimizer or callbacks changed" if got[4] else None)
+        stable = values is not None and values == self._previous
+        self._previous = values
+        recordable = recordable and stable and refusal is None
+        eager_last, self._eager_last = self._eager_last, False
+        if refusal is not None:  # graphs that hold the update must not replay again
+            self.refusal = refusal
+            if self.recorded is None or not has_graphs:
+                return KEEP, False
+            return (RESET, False) if fits else (DROP, False)
+        if not has_graphs:
+            return KEEP, recordable
+        if self.recorded is None:  # graphs without the update
+            return self._reset(True, fits) if recordable and self._served >= self.patience else (KEEP, False)
+        if holds:
+            return KEEP, True
+        if recordable and self._served >= self.patience:
+            return self._reset(True, fits)
+        if not stable and not eager_last:  # a change: one eager step for the values to settle
+            self._eager_last = True
+            return EAGER, False
+        if fits and self._served < self.patience:  # the recording with the update served too few steps
+            self.patience *= 4
+        return self._reset(False, fits)
+
     def captured(self, include: bool, first: bool) -> None:
-        """A graph was captured this step (after :meth:`plan`), with the update if ``include``; ``first``: no step
-        graphs were there before it (a new recording)."""
+        """A graph was captured this step (after :meth:`plan`), with the update if ``include`` (the tail of that
+        capture recorded it); ``first``: no step graphs were there before it (a new recording)."""
         if first:
             self._served = 0
             self.recorded = kernel_values(self.optimizer) if include else None
-            self._ptrs = [p.data_ptr() for g in self.optimizer.param_groups for p in g["params"]]
+            self._ptrs = [t.data_ptr() for t in self._tensors()]
 
     def replayed(self) -> None:
         self._served += 1
 
-    def tail(self) -> None:
-        """The update, recorded at the end of the step's graph (and run at every replay of an eager backend):
-        ``param.grad`` pointed at ``main_grad`` as for an eager step, the lists rebuilt for those gradients where
-        they changed, then the step counts + 1 and the fused kernels.
+    def tail(self) -> Callable[[], None]:
+        """The work recorded at the end of one capture (and run at every replay of an eager backend): ``param.grad``
+        pointed at ``main_grad`` as for an eager step, the lists rebuilt where the gradients changed, then the step
+        counts + 1 and the fused kernels. Where the lists cannot be built (a parameter with a gradient and no Adam
+        state yet) it records nothing, for good, and sets :attr:`missing`."""
+        on = [True]
+        self.missing = False
 
-        Raises:
-            RuntimeError: the optimizer has no state for a parameter with a gradient (checked before capture).
-        """
-        self.expose()
-        cached = self.cached
-        if not cached.usable() and not cached.rebuild():
-            raise RuntimeError("cg_lightning: the optimizer's update cannot be recorded: it is not plain or a "
-                               "parameter with a gradient has no Adam state")
-        cached.launch()
+        def run() -> None:
+            if not on[0]:
+                return
+            self.expose()
+            cached = self.cached
+            if not cached.usable() and not cached.rebuild():
+                on[0], self.missing = False, True
+                return
+            cached.launch()
+
+        return run
+
+    def close(self) -> None:
+        """Destroy the agreement's group, if any."""
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
+
+    def _reset(self, include: bool, fits: bool) -> Tuple[str, bool]:
+        return (RESET, include) if fits else (EAGER, False)
+
+    def _agree(self, values: Sequence[int]) -> List[int]:
+        flags = torch.tensor(list(values), dtype=torch.int64)
+        with peer_errors("the agreement on the optimizer's update before a step", self.timeout_s):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return flags.tolist()
+
+    def _refusal_now(self) -> Optional[str]:
+        """:func:`update_refusal` again where what it reads changed since the last look, else ``None``."""
+        if self.refusal is not None:
+            return self.refusal
+        now = _fingerprint(self.strategy)
+        if now == self._fingerprint:
+            return None
+        self._fingerprint = now
+        reason = update_refusal(self.strategy, self.backend_name)
+        if reason is None and self.strategy.optimizers[0] is not self.optimizer:
+            reason = "the optimizer was replaced during the fit"
+        return reason and f"{reason} (changed during the fit)"
 
     def _recordable(self) -> bool:
-        """The update can be recorded now: a plain step, every trainable parameter with its Adam state."""
-        cached = self.cached
-        if not cached.plain():
-            return False
-        state = self.optimizer.state
-        for group in self.optimizer.param_groups:
-            keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-            for p in group["params"]:
-                if p.requires_grad and not all(k in state.get(p, ()) for k in keys):
-                    return False
-        return True
+        """The update can be recorded now: a plain step, every parameter that got a gradient last step with its
+        Adam state."""
+        return self.cached.plain() and self.cached.has_state()
+
+    def _tensors(self) -> List[torch.Tensor]:
+        """What the recorded kernels read and write besides the gradients (graph-internal): the parameters and
+        their Adam state."""
+        return self.cached.tensors(grads=False)
 
     def _holds(self) -> bool:
-        """The optimizer is as the graphs recorded it: the same groups and state tensors, the parameters' storage
-        where it was."""
-        return self.cached.usable(grads=False) and self._ptrs == [
-            p.data_ptr() for g in self.optimizer.param_groups for p in g["params"]]
+        """The optimizer is as the graphs recorded it: the same groups and state tensors, their storage (and the
+        parameters') where it was."""
+        return self.cached.usable(grads=False) and self._ptrs == [t.data_ptr() for t in self._tensors()]

@@ -15,15 +15,10 @@ capture_reads`: anything else fails the capture). A refusal is one line on rank 
 graphs. ``graphs.whole_step: true`` skips the code check (the step's Python is then frozen as it is) and warns on a
 refusal; ``false`` never captures the step.
 
-What a replayed step cannot hold is refused before capture, and the layers get per-layer graphs instead: manual
-optimization, gradient accumulation, a GradScaler (``16-mixed``), the distributed optimizer, a ``backward``,
-``optimizer_zero_grad``, ``on_before_zero_grad`` or ``on_before_backward`` of the user's (they would run once, or
-after the replayed backward), a gradient that outlives ``zero_grad`` (a trainable parameter in no optimizer, an
-optimizer's own ``zero_grad``), a Python number or a
-torchmetrics ``Metric`` logged in ``training_step`` (it would be logged unchanged every step), and a step whose
-capture fails (a host read such as ``.item()``, named with its line). A batch of another signature runs its step
-eagerly (``shape_policy="eager"``, one warning), raises (``"error"``) or is captured as a step graph of its own
-(``"recapture"``, up to ``max_graph_sets``).
+What a replayed step cannot hold is refused before capture (:func:`.step_checks.static_refusal`; a Python number or
+a torchmetrics ``Metric`` logged; a capture that fails, its line named), and the layers get per-layer graphs
+instead. A batch of another signature runs its step eagerly (``shape_policy="eager"``, one warning), raises
+(``"error"``) or is captured as a step graph of its own (``"recapture"``, up to ``max_graph_sets``).
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ from ..graphs.step.step_code import StepCodeReport, check_step_code
 from ..graphs.step.whole_step import StepGraph, StepGraphs, StepGuards
 from .step_checks import FRAMEWORK, raised_at, static_refusal, step_output
 from .step_function import LightningStepFunction
-from .step_update import EAGER, RESET, StepUpdate, update_phrase, update_refusal
+from .step_update import DROP, EAGER, RESET, StepUpdate, update_phrase, update_refusal
 
 
 class LightningWholeStep:
@@ -83,8 +78,7 @@ class LightningWholeStep:
         self._mismatch_warned = False
         #: the optimizer's update in the step's graphs (graphs.capture_optimizer, where it can be: :mod:`.step_update`)
         self.update: Optional[StepUpdate] = None
-        self._updated = False  # this step's graph ran the optimizer's update
-        self._announced: Optional[bool] = None  # whether the last capture announced held the update
+        self._updated, self._announced = False, None  # this step's graph ran the update; the last announced did
         driver.layers_paused = True
 
     # ----------------------------------------------------------------- refusals
@@ -145,7 +139,8 @@ class LightningWholeStep:
             if self.options.capture_optimizer:
                 reason = self.stats.update_refusal = update_refusal(self.strategy, self.graphs.backend.name)
                 if reason is None:
-                    self.update = StepUpdate(self.strategy.optimizers[0], self.strategy.engine.expose_grads)
+                    self.update = StepUpdate(self.strategy, self.strategy.engine.expose_grads,
+                                             self.graphs.backend.name, self.strategy.ddp_options.timeout_s)
         if trainer.accumulate_grad_batches != 1:  # each step: a GradientAccumulationScheduler sets it per epoch
             self.give_up(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})")
             return False, None
@@ -167,23 +162,28 @@ class LightningWholeStep:
             if changed is not None:
                 self.give_up(changed)
                 return False, None
+        graph = graphs.find(batch)
         update, include, reset = self.update, False, False
         if update is not None:  # the optimizer's values decide whether the graphs hold its update
-            action, include = update.plan(bool(graphs.graphs))
-            if action == EAGER:
+            action, include = update.plan(bool(graphs.graphs), graph is not None)
+            if update.refusal is not None:  # for good: one line
+                self.update, self.stats.update_refusal = None, update.refusal
+                update.close()
+                self.announce(f"cg_lightning: the optimizer's update leaves the step's graph: {update.refusal}")
+            if action in (RESET, DROP):
+                graphs.reset()
+                graph, reset = None, True
+            if action in (EAGER, DROP):
                 self.stats.eager_steps += 1
                 return False, None
-            if action == RESET:
-                graphs.reset()
-                reset = True
         first = not graphs.graphs
-        graph = graphs.find(batch)
         if graph is None:
             if graphs.graphs and (self.options.shape_policy != "recapture" or graphs.full):
                 return self._other_signature(batch)
             graph = self._capture(batch, rest, kwargs, include, reset)
             if graph is None:
                 return False, None
+            include = include and not update.missing  # a parameter without Adam state: nothing recorded
             if update is not None:
                 update.captured(include, first)
         else:
@@ -211,7 +211,7 @@ class LightningWholeStep:
         eager_path = not compiled
         body = LightningStepFunction(strategy, self.run_training_step, self.stats, self.code, rest, kwargs)
         calls = body.calls
-        tail = self.update.tail if include else None
+        tail = self.update.tail() if include else None
         try:
             try:
                 graph = self.graphs.capture(body, batch, module, extras=calls, eager_path=eager_path,
@@ -290,6 +290,8 @@ class LightningWholeStep:
         return done
 
     def close(self) -> None:
+        if self.update is not None:
+            self.update.close()
         if self._suspended:
             self.strategy.driver.graph_manager.selection.resume()  # the manager's remove restores the forwards
             self._suspended = False

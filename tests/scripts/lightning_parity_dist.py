@@ -19,11 +19,22 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
+from lightning.pytorch import Callback
 
 from cg_lightning import CUDAGraphDDPStrategy
 from tests.lightning_manual_models import GANModel, ManualModel
-from tests.lightning_models import ParityModel
-from tests.lightning_runs import candidate, train
+from tests.lightning_models import ParityModel, PlainAdamModel
+from tests.lightning_runs import OutcomeRecorder, candidate, train
+
+
+class RankZeroRate(Callback):
+    """At step 5 a new learning rate on rank 0 only (as a plateau scheduler on an unsynced metric may set)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 5 and trainer.global_rank == 0:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = 0.003
+
 
 #: scenario -> (reference strategy, module factory, Trainer arguments); 4 batches per rank and epoch
 SCENARIOS = {
@@ -38,10 +49,17 @@ SCENARIOS = {
                             dict(max_epochs=2)),
     # graphs.whole_step: forward, loss, backward and the all-reduce replayed as one step (eager backend), clipping
     "whole_step": ("ddp", lambda: ParityModel(optimizer="adam", lr=0.01), dict(max_epochs=2, gradient_clip_val=0.05)),
+    # graphs.capture_optimizer: the fused AdamW update inside the step's graph (no hook before the update recorded)
+    "iteration_graph": ("ddp", PlainAdamModel, dict(max_epochs=3, recorder=OutcomeRecorder)),
+    # ... and a rate that differs between the ranks from step 5: every rank takes the update out of its graph
+    "iteration_graph_rank_rate": ("ddp", PlainAdamModel, dict(max_epochs=3, recorder=OutcomeRecorder,
+                                                              callbacks=[RankZeroRate()])),
 }
 
 #: scenario -> the candidate's graphs options, where it is not the reference's candidate strategy name
-CANDIDATE_GRAPHS = {"whole_step": {"whole_step": True, "backend": "eager", "warmup_steps": 2}}
+CANDIDATE_GRAPHS = {"whole_step": {"whole_step": True, "backend": "eager", "warmup_steps": 2},
+                    "iteration_graph": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True},
+                    "iteration_graph_rank_rate": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True}}
 
 
 def main() -> None:
@@ -61,9 +79,11 @@ def main() -> None:
             try:
                 facts = train(strategy, model, devices=2, **kwargs).facts()
                 step_stats = getattr(strategy, "last_step_graph_stats", None)
-                if step_stats is not None:  # the test checks that the steps were replayed
+                if step_stats is not None:  # the test checks that the steps were replayed, with their updates
                     with open(os.path.join(folder, f"{name}.rank{rank}.replays"), "w") as f:
                         f.write(str(step_stats.replays))
+                    with open(os.path.join(folder, f"{name}.rank{rank}.updates"), "w") as f:
+                        f.write(f"{step_stats.updates}\n{step_stats.update_refusal}")
             except Exception as e:  # noqa: BLE001  (reported by the test, scenario by scenario)
                 first = str(e).splitlines()[0] if str(e) else ""
                 with open(os.path.join(folder, f"{name}.rank{rank}.err"), "w") as f:
