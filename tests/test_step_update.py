@@ -180,7 +180,8 @@ def _update(lr: float = 0.01) -> StepUpdate:
     p.grad = torch.ones(3)
     opt.step()
     trainer = SimpleNamespace(gradient_clip_val=None, callbacks=[])
-    strategy = SimpleNamespace(optimizers=[opt], lightning_module=SimpleNamespace(trainer=trainer))
+    strategy = SimpleNamespace(optimizers=[opt], lightning_module=SimpleNamespace(trainer=trainer),
+                               graph_options=SimpleNamespace(capture_optimizer=True))
     return StepUpdate(strategy, lambda: None, "eager", 30.0)
 
 
@@ -266,12 +267,19 @@ class _ClipFrom(Callback):
             trainer.gradient_clip_val = 0.01
 
 
+class _OptionOff(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 6 and hasattr(trainer.strategy, "graph_options"):  # not "ddp"'s
+            trainer.strategy.graph_options.capture_optimizer = False
+
+
 @pytest.mark.parametrize("callback,reason", [(_NewOptimizer, "the optimizer was replaced"),
-                                             (_ClipFrom, "gradient clipping (gradient_clip_val=0.01)")])
+                                             (_ClipFrom, "gradient clipping (gradient_clip_val=0.01)"),
+                                             (_OptionOff, "graphs.capture_optimizer was turned off")])
 def test_a_new_optimizer_or_clipping_during_the_fit_takes_the_update_out_of_the_graph(callback, reason, caplog):
-    """``strategy.setup_optimizers`` or ``trainer.gradient_clip_val`` set at step 6, after the update joined the
-    step's graph: from that step on the step's graph holds no update (one line says why) and the new optimizer
-    steps, or the gradients are clipped before the update, as under "ddp"."""
+    """``strategy.setup_optimizers``, ``trainer.gradient_clip_val`` or ``graphs.capture_optimizer: false`` set at step
+    6, after the update joined the step's graph: from that step on the step's graph holds no update (one line says
+    why) and the new optimizer steps, or the gradients are clipped before the update, as under "ddp"."""
     with caplog.at_level(logging.INFO):
         strategy = _pair(AdamStep, steps=12, max_epochs=2, callbacks=[callback()])
     stats = strategy.last_step_graph_stats

@@ -13,8 +13,8 @@ Refused by :func:`update_refusal` (the update is then a graph of its own, or the
 optimizers than one, an optimizer the step graph refuses, gradient clipping, a ``ddp.grad_dtype`` other than the
 parameters', the module's ``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping`` or
 ``optimizer_step``, or a callback's ``on_after_backward`` or ``on_before_optimizer_step`` (also as instance
-attributes: ``LambdaCallback``). Checked again whenever the optimizers, the clipping value or the callbacks change
-during the fit; a refusal then takes the update out of the graphs for good.
+attributes: ``LambdaCallback``). Checked again whenever the optimizers, the clipping value, the callbacks or the
+option itself change during the fit; a refusal then takes the update out of the graphs for good.
 
 Decided before every step by :meth:`StepUpdate.plan`. Graphs that hold the update replay while the optimizer is as
 recorded (its groups and state tensors, the storage of its parameters and state) and every group's kernel values
@@ -97,7 +97,8 @@ def update_phrase(include: bool, joins: bool, capture_optimizer: bool, refusal: 
 def _fingerprint(strategy: Any) -> tuple:
     """What :func:`update_refusal` reads that a fit can change between steps, cheaply compared."""
     trainer = strategy.lightning_module.trainer
-    return tuple(map(id, strategy.optimizers)), trainer.gradient_clip_val, tuple(map(id, trainer.callbacks))
+    return (tuple(map(id, strategy.optimizers)), trainer.gradient_clip_val, tuple(map(id, trainer.callbacks)),
+            strategy.graph_options.capture_optimizer)
 
 
 def _digest(values: Optional[tuple]) -> int:
@@ -244,7 +245,9 @@ class StepUpdate:
             return None
         self._fingerprint = now
         reason = update_refusal(self.strategy, self.backend_name)
-        if reason is None and self.strategy.optimizers[0] is not self.optimizer:
+        if not self.strategy.graph_options.capture_optimizer:
+            reason = "graphs.capture_optimizer was turned off"
+        elif reason is None and self.strategy.optimizers[0] is not self.optimizer:
             reason = "the optimizer was replaced during the fit"
         return reason and f"{reason} (changed during the fit)"
 
