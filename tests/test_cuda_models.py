@@ -339,11 +339,10 @@ def test_cuda_whole_step_compiled_model_equals_the_same_compiled_model_under_ddp
     assert weights <= spread, (weights, spread)
 
 
-@pytest.mark.parametrize("model", ["llama", "gpt2", "llama-user-compiled"])
-def test_cuda_defaults_replay_the_whole_step_and_equal_ddp(deterministic, model):
-    """No graph options: a transformers model's step is replayed from one graph, bit-equal to "ddp" in bf16-mixed;
-    a model the LightningModule compiled itself (``self.model = torch.compile(model)``) equals the same compiled
-    model under "ddp", its step launching Inductor's kernels from the graph."""
+def _sdpa_fit(model, **kwargs):
+    """``fit(strategy, precision)`` of a transformers model on SDPA's math kernel (deterministic): ``"llama"``,
+    ``"gpt2"`` or ``"llama-user-compiled"`` (``torch.compile`` of the Llama, as a LightningModule would);
+    ``kwargs`` go to :func:`_fit_tokens`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     hf = pytest.importorskip("tests.hf_models")
@@ -354,9 +353,17 @@ def test_cuda_defaults_replay_the_whole_step_and_equal_ddp(deterministic, model)
     def fit(strategy, p):
         torch._dynamo.reset()
         with sdpa_kernel(SDPBackend.MATH):
-            return _fit_tokens(strategy, build, p)
+            return _fit_tokens(strategy, build, p, **kwargs)
 
-    strategy, _ = _compare_whole_step(model + " defaults", fit, "bf16-mixed", graphs={"whole_step": None})
+    return fit
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2", "llama-user-compiled"])
+def test_cuda_defaults_replay_the_whole_step_and_equal_ddp(deterministic, model):
+    """No graph options: a transformers model's step is replayed from one graph, bit-equal to "ddp" in bf16-mixed;
+    a model the LightningModule compiled itself (``self.model = torch.compile(model)``) equals the same compiled
+    model under "ddp", its step launching Inductor's kernels from the graph."""
+    strategy, _ = _compare_whole_step(model + " defaults", _sdpa_fit(model), "bf16-mixed", graphs={"whole_step": None})
     assert strategy.last_step_graph_stats.refusal is None
 
 
@@ -365,18 +372,7 @@ def test_cuda_whole_iteration_with_the_optimizer_update_equals_ddp(deterministic
     """``graphs.capture_optimizer`` and no other option, fused AdamW, bf16-mixed: forward, backward, gradient sync
     and the optimizer's update replayed as one graph from the capture step on (Lightning's ``optimizer.step()`` only
     marks the step), weights bit-equal to "ddp"."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    hf = pytest.importorskip("tests.hf_models")
-    build = {"llama": lambda: hf.tiny_llama(attn_implementation="sdpa"),
-             "gpt2": lambda: hf.tiny_gpt2(attn_implementation="sdpa"),
-             "llama-user-compiled": lambda: torch.compile(hf.tiny_llama(attn_implementation="sdpa"))}[model]
-
-    def fit(strategy, p):
-        torch._dynamo.reset()
-        with sdpa_kernel(SDPBackend.MATH):
-            return _fit_tokens(strategy, build, p, recorder=LossRecorder, fused=True)
-
+    fit = _sdpa_fit(model, recorder=LossRecorder, fused=True)
     strategy, _ = _compare_whole_step(model + " iteration", fit, "bf16-mixed",
                                       graphs={"whole_step": None, "capture_optimizer": True})
     stats = strategy.last_step_graph_stats
