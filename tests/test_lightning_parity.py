@@ -233,7 +233,8 @@ def test_comparison_names_the_first_difference():
 
 # ----------------------------------------------------------------- two processes over gloo
 DIST_SCENARIOS = ["fit", "accumulate_clip", "manual_accumulate", "manual_accumulate_no_sync", "gan",
-                  "find_unused_by_rank", "whole_step", "iteration_graph", "iteration_graph_rank_rate"]
+                  "find_unused_by_rank", "whole_step", "iteration_graph", "iteration_graph_rank_rate",
+                  "iteration_graph_rank_shapes"]
 
 
 @pytest.fixture(scope="module")
@@ -258,8 +259,9 @@ def test_two_processes(dist_runs, scenario):
     """Each rank's facts equal between the sides: plain training; Adam with 2 batches accumulated and clipping
     by norm; manual accumulation; the GAN; a head used on one rank at a time (find-unused strategies); the whole
     step replayed as one graph (``graphs.whole_step``) with clipping; the fused AdamW update inside the step's graph
-    (``graphs.capture_optimizer``), and a rate changed on rank 0 only, which takes the update out on both ranks
-    (their agreement) instead of leaving them to capture at different steps."""
+    (``graphs.capture_optimizer``); a rate changed on rank 0 only, which takes the update out on both ranks (their
+    agreement) instead of leaving them to capture at different steps; a rate changed on both while one rank's next
+    batch has another shape (both capture again one step later)."""
     for rank in (0, 1):
         sides = {}
         for side, folder in dist_runs.items():
@@ -273,10 +275,12 @@ def test_two_processes(dist_runs, scenario):
         if scenario == "whole_step":  # the candidate's steps after warmup were replayed from its step graph
             replays = dist_runs["candidate"] / f"{scenario}.rank{rank}.replays"
             assert replays.exists() and int(replays.read_text()) > 0, f"rank {rank}: no step replayed"
-        if scenario.startswith("iteration_graph"):  # 12 steps, 2 of warmup; the rate differs from step 5
+        if scenario.startswith("iteration_graph"):  # 2 steps of warmup, then updates in the step's graph
             updates, refusal = (dist_runs["candidate"] / f"{scenario}.rank{rank}.updates").read_text().split("\n")
-            if scenario == "iteration_graph":
+            if scenario == "iteration_graph":  # 12 steps
                 assert int(updates) == 10 and refusal == "None", (rank, updates, refusal)
-            else:
+            elif scenario == "iteration_graph_rank_rate":  # out from step 5
                 assert int(updates) == 3 and "differ between ranks" in refusal, (rank, updates, refusal)
+            else:  # 14 steps: 10 (a new rate) and 11 (rank 1's other shape) eager, recorded again at 12
+                assert int(updates) == 10 and refusal == "None", (rank, updates, refusal)
 

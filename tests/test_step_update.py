@@ -69,11 +69,11 @@ def test_with_a_constant_learning_rate_every_update_after_warmup_runs_in_the_ste
 def test_a_warmup_schedule_keeps_the_update_beside_the_graph_until_the_rate_holds():
     """A per-step warmup over 6 steps: the step is captured without the update in step 2 (the rate changes every
     step) and the optimizer's own graph or cached step updates beside it; once the rate held two steps and the
-    first recording served PATIENCE replays the step is captured again with the update. Exact throughout."""
+    first recording served PATIENCE steps the step is captured again with the update. Exact throughout."""
     steps = 24
     strategy = _pair(lambda: WarmupAdamStep(warmup=6, batches=32), steps=steps)
     stats = strategy.last_step_graph_stats
-    recaptured = WARMUP + 1 + PATIENCE  # the first step whose plain recording served PATIENCE replays
+    recaptured = WARMUP + PATIENCE  # the first step whose plain recording (step 2) served PATIENCE steps
     assert recaptured > 6  # the rate holds by then
     assert stats.captures == 2 and stats.updates == steps - recaptured and stats.eager_steps == 0, stats
 
@@ -187,7 +187,7 @@ def _update(lr: float = 0.01) -> StepUpdate:
 
 def test_values_that_flip_back_and_forth_cost_ever_fewer_recaptures():
     """The plan alone: a rate held two steps is recorded with the update; a change runs one step eagerly, then
-    (held again) is recorded anew only if the recording served PATIENCE replays; one that served fewer is replaced by
+    (held again) is recorded anew only if the recording served PATIENCE steps; one that served fewer is replaced by
     a recording without the update and the patience grows fourfold. A reset waits for a batch of a captured
     signature (``fits``)."""
     update = _update()
@@ -198,7 +198,6 @@ def test_values_that_flip_back_and_forth_cost_ever_fewer_recaptures():
     update.captured(include=True, first=True)
     for _ in range(PATIENCE):
         assert update.plan(has_graphs=True, fits=True) == (KEEP, True)
-        update.replayed()
     group["lr"] = 0.02
     assert update.plan(has_graphs=True, fits=True) == (EAGER, False)
     assert update.plan(has_graphs=True, fits=False) == (EAGER, False)  # a short last batch: not captured
@@ -211,10 +210,7 @@ def test_values_that_flip_back_and_forth_cost_ever_fewer_recaptures():
     update.captured(include=False, first=True)
     for _ in range(4 * PATIENCE - 1):
         assert update.plan(has_graphs=True, fits=True) == (KEEP, False)
-        update.replayed()
-    assert update.plan(has_graphs=True, fits=True) == (KEEP, False)  # served 4 * PATIENCE - 1
-    update.replayed()
-    assert update.plan(has_graphs=True, fits=True) == (RESET, True)
+    assert update.plan(has_graphs=True, fits=True) == (RESET, True)  # the 4 * PATIENCE-th step
 
 
 def test_state_moved_to_other_storage_is_not_replayed_on_the_old_addresses():
@@ -300,16 +296,53 @@ def test_a_change_on_an_epochs_short_last_batch_records_again_on_a_full_batch():
     assert stats.signatures[-1].startswith("Tensor[4") and stats.eager_steps <= 6, stats
 
 
-def test_a_parameter_that_never_gets_a_gradient_does_not_keep_the_update_out():
-    """``find_unused_parameters`` with a head that never joins the loss (it has no Adam state): the update is
-    recorded all the same, exactly."""
+class _GradsAfterStep(Callback):
+    """Every parameter's ``.grad`` after each batch (``None`` where it is ``None``), into the recorded facts."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.events.append({"hook": "grads_after_step", "step": trainer.global_step, "grads": {
+            n: None if p.grad is None else p.grad.detach().clone() for n, p in pl_module.named_parameters()}})
+
+
+def test_find_unused_parameters_keeps_the_update_out_and_trains_like_ddp():
+    """``find_unused_parameters`` with a head that never joins the loss: which parameters have a gradient is known
+    only after each backward (the engine hides the others' from the optimizer), so the update is not recorded into
+    the step's graph; the reason says so, and the hooks after the step see the gradients "ddp" shows."""
     class Unused(AdamStep):
         def __init__(self):
             super().__init__()
             self.unused = torch.nn.Linear(8, 1)
 
-    ref = train("ddp_find_unused_parameters_true", Unused, max_steps=STEPS, recorder=OutcomeRecorder, max_epochs=2)
+    kwargs = dict(max_steps=STEPS, max_epochs=2, recorder=OutcomeRecorder, callbacks=[_GradsAfterStep()])
+    ref = train("ddp_find_unused_parameters_true", Unused, **kwargs)
     strategy = cg_strategy(capture_optimizer=True, ddp={"find_unused_parameters": True})
-    got = train(strategy, Unused, max_steps=STEPS, recorder=OutcomeRecorder, max_epochs=2)
+    got = train(strategy, Unused, **kwargs)
     assert_same(ref.facts(), got.facts())
-    assert strategy.last_step_graph_stats.updates == STEPS - WARMUP, strategy.last_step_graph_stats
+    stats = strategy.last_step_graph_stats
+    assert stats.updates == 0 and "find_unused_parameters" in stats.update_refusal, stats
+
+
+class _HookFrom(Callback):
+    """At step 6 sets ``on_after_backward`` on the module, or ``on_before_optimizer_step`` on this callback, as
+    instance attributes: each halves the gradients before the update."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != 6:
+            return
+        if self.where == "module":
+            pl_module.on_after_backward = lambda: [p.grad.mul_(0.5) for p in pl_module.parameters()]
+        else:
+            self.on_before_optimizer_step = lambda trainer, module, optimizer: [
+                p.grad.mul_(0.5) for p in module.parameters()]
+
+
+@pytest.mark.parametrize("where", ["module", "callback"])
+def test_a_hook_set_as_an_attribute_during_the_fit_takes_the_update_out(where):
+    """A hook between the backward and the update set on the module or on a callback during the fit (step 6): the
+    update leaves the step's graph at that step, so the hook runs before it, as under "ddp"."""
+    strategy = _pair(AdamStep, steps=12, max_epochs=2, callbacks=[_HookFrom(where)])
+    stats = strategy.last_step_graph_stats
+    assert stats.updates == 6 - WARMUP and "changed during the fit" in stats.update_refusal, stats

@@ -21,11 +21,13 @@ recorded (its groups and state tensors, the storage of its parameters and state)
 equal the recorded ones. The update is recorded into the step's graph when its values equal the previous step's
 (held two steps: a constant learning rate, a scheduler between changes); while they change every step (warmup,
 cosine) the step's graph is recorded without it. A one-off change (an epoch's scheduler step) runs that step eagerly
-and records again at the next step whose batch has a captured signature. A recording is replaced only after its
-graphs replayed ``patience`` times, which grows fourfold each time a recording with the update served fewer. With
-several processes every rank takes the same decision: what it is made from is agreed in one ``MAX`` all-reduce of a
-few integers on a gloo group per step, and values that differ between ranks (a rate changed on some ranks only)
-take the update out of the graphs on every rank.
+and records again at the next step whose batch has a captured signature. A recording is replaced only after it
+served ``patience`` steps, which grows fourfold each time a recording with the update served fewer. With several
+processes every rank takes the same decision: what it is made from (a digest of the values, whether the recording
+holds, whether the update can be recorded, whether the batch has a graph, a refusal) is agreed in one ``MAX``
+all-reduce of a few integers on a gloo group per step, and values that differ between ranks (a rate changed on some
+ranks only) take the update out of the graphs on every rank. Under ``ddp.find_unused_parameters`` the update stays
+out (which parameters it updates is known only after each backward).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def update_refusal(strategy: Any, backend_name: str) -> Optional[str]:
                 return f"the callback {type(callback).__name__} implements {hook}, which runs before the update"
     if any(protocol.main_grad(p).dtype != p.dtype for p in strategy.engine.params):
         return "ddp.grad_dtype differs from the parameters' dtype (the optimizer reads a cast copy of main_grad)"
+    if getattr(strategy.engine, "unused", None) is not None:
+        return "ddp.find_unused_parameters: which parameters the optimizer updates is known only after each backward"
     return None
 
 
@@ -95,10 +99,14 @@ def update_phrase(include: bool, joins: bool, capture_optimizer: bool, refusal: 
 
 
 def _fingerprint(strategy: Any) -> tuple:
-    """What :func:`update_refusal` reads that a fit can change between steps, cheaply compared."""
-    trainer = strategy.lightning_module.trainer
+    """What :func:`update_refusal` reads that a fit can change between steps, cheaply compared: the optimizers, the
+    clipping value, the callbacks, the option, and the hooks set on the module or a callback as attributes."""
+    module = strategy.lightning_module
+    trainer = module.trainer
+    owners = (module, *trainer.callbacks)
+    attributes = tuple(hook in getattr(owner, "__dict__", ()) for owner in owners for hook in _BETWEEN_HOOKS)
     return (tuple(map(id, strategy.optimizers)), trainer.gradient_clip_val, tuple(map(id, trainer.callbacks)),
-            strategy.graph_options.capture_optimizer)
+            strategy.graph_options.capture_optimizer, attributes)
 
 
 def _digest(values: Optional[tuple]) -> int:
@@ -119,7 +127,7 @@ class StepUpdate:
 
     Attributes:
         recorded: the kernel values the current graphs update with; ``None`` while they hold no update.
-        patience: replays a recording must serve before it is replaced.
+        patience: steps a recording must serve before it is replaced.
         refusal: set once the update left the graphs for good (a later :func:`update_refusal`, or values that
             differ between ranks).
 
@@ -140,7 +148,7 @@ class StepUpdate:
         self.missing = False  # the latest capture's tail found a parameter without Adam state and recorded nothing
         self._group = control_group(timeout_s)  # None with one process
         self._fingerprint = _fingerprint(strategy)
-        self._served = 0  # replays of the current recording
+        self._served = 0  # steps since the current recording
         self._previous: Optional[tuple] = None  # the kernel values of the previous step
         self._ptrs: List[int] = []
         self._eager_last = False
@@ -159,13 +167,14 @@ class StepUpdate:
         holds = self.recorded is not None and values == self.recorded and self._holds()
         recordable = holds or self._recordable()  # holding graphs were recorded from a plain step with its state
         refusal = self._refusal_now()
-        if self._group is not None:
+        self._served += 1  # steps since the recording, the same on every rank
+        if self._group is not None:  # every rank decides from the same inputs
             digest = _digest(values)
-            got = self._agree([digest, -digest, -int(holds), -int(recordable), int(refusal is not None)])
+            got = self._agree([digest, -digest, -int(holds), -int(recordable), -int(fits), int(refusal is not None)])
             if got[0] != -got[1]:
                 refusal = refusal or "the optimizer's values differ between ranks (a rate changed on some only)"
-            holds, recordable = -got[2] == 1, -got[3] == 1  # true on every rank (the minimum, as -max(-x))
-            refusal = refusal or ("another rank's optimizer or callbacks changed" if got[4] else None)
+            holds, recordable, fits = -got[2] == 1, -got[3] == 1, -got[4] == 1  # on every rank: min as -max(-x)
+            refusal = refusal or ("another rank's optimizer or callbacks changed" if got[5] else None)
         stable = values is not None and values == self._previous
         self._previous = values
         recordable = recordable and stable and refusal is None
@@ -197,9 +206,6 @@ class StepUpdate:
             self._served = 0
             self.recorded = kernel_values(self.optimizer) if include else None
             self._ptrs = [t.data_ptr() for t in self._tensors()]
-
-    def replayed(self) -> None:
-        self._served += 1
 
     def tail(self) -> Callable[[], None]:
         """The work recorded at the end of one capture (and run at every replay of an eager backend): ``param.grad``

@@ -188,8 +188,6 @@ class LightningWholeStep:
                 update.captured(include, first)
         else:
             graphs.replay(graph, batch)
-            if update is not None:
-                update.replayed()
         if include:
             self._updated = True
             self.stats.updates += 1

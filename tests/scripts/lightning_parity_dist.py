@@ -23,17 +23,32 @@ from lightning.pytorch import Callback
 
 from cg_lightning import CUDAGraphDDPStrategy
 from tests.lightning_manual_models import GANModel, ManualModel
-from tests.lightning_models import ParityModel, PlainAdamModel
+from torch.utils.data import DataLoader
+
+from tests.lightning_models import ParityModel, PlainAdamModel, dataset
 from tests.lightning_runs import OutcomeRecorder, candidate, train
 
 
-class RankZeroRate(Callback):
-    """At step 5 a new learning rate on rank 0 only (as a plateau scheduler on an unsynced metric may set)."""
+class NewRate(Callback):
+    """At ``step`` a new learning rate on ``ranks`` (on some only, as a plateau scheduler on an unsynced metric may)."""
+
+    def __init__(self, step: int, ranks=(0, 1)) -> None:
+        self.step, self.ranks = step, ranks
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == 5 and trainer.global_rank == 0:
+        if trainer.global_step == self.step and trainer.global_rank in self.ranks:
             for group in trainer.optimizers[0].param_groups:
                 group["lr"] = 0.003
+
+
+class RankShapes(PlainAdamModel):
+    """Fourteen batches of 4 on each rank (no distributed sampler), except rank 1's twelfth, of 3 samples."""
+
+    def train_dataloader(self):
+        x, y = dataset(64, seed=self.global_rank).tensors
+        sizes = [4] * 11 + ([3] if self.global_rank == 1 else [4]) + [4] * 2
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return DataLoader([(x[a:a + n], y[a:a + n]) for a, n in zip(starts, sizes)], batch_size=None)
 
 
 #: scenario -> (reference strategy, module factory, Trainer arguments); 4 batches per rank and epoch
@@ -53,13 +68,18 @@ SCENARIOS = {
     "iteration_graph": ("ddp", PlainAdamModel, dict(max_epochs=3, recorder=OutcomeRecorder)),
     # ... and a rate that differs between the ranks from step 5: every rank takes the update out of its graph
     "iteration_graph_rank_rate": ("ddp", PlainAdamModel, dict(max_epochs=3, recorder=OutcomeRecorder,
-                                                              callbacks=[RankZeroRate()])),
+                                                              callbacks=[NewRate(5, ranks=(0,))])),
+    # ... and a rate changed on both ranks at step 10 while rank 1's batch at step 11 has another shape: the ranks
+    # capture again together at step 12, not rank 0 alone at step 11
+    "iteration_graph_rank_shapes": ("ddp", RankShapes, dict(max_epochs=1, recorder=OutcomeRecorder,
+                                                             use_distributed_sampler=False, callbacks=[NewRate(10)])),
 }
 
 #: scenario -> the candidate's graphs options, where it is not the reference's candidate strategy name
 CANDIDATE_GRAPHS = {"whole_step": {"whole_step": True, "backend": "eager", "warmup_steps": 2},
                     "iteration_graph": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True},
-                    "iteration_graph_rank_rate": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True}}
+                    "iteration_graph_rank_rate": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True},
+                    "iteration_graph_rank_shapes": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True}}
 
 
 def main() -> None:
