@@ -234,7 +234,7 @@ def test_comparison_names_the_first_difference():
 # ----------------------------------------------------------------- two processes over gloo
 DIST_SCENARIOS = ["fit", "accumulate_clip", "manual_accumulate", "manual_accumulate_no_sync", "gan",
                   "find_unused_by_rank", "whole_step", "iteration_graph", "iteration_graph_rank_rate",
-                  "iteration_graph_rank_shapes"]
+                  "iteration_graph_rank_shapes", "iteration_graph_rank_warmup_rate", "iteration_graph_rank_hook"]
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,8 @@ def test_two_processes(dist_runs, scenario):
     step replayed as one graph (``graphs.whole_step``) with clipping; the fused AdamW update inside the step's graph
     (``graphs.capture_optimizer``); a rate changed on rank 0 only, which takes the update out on both ranks (their
     agreement) instead of leaving them to capture at different steps; a rate changed on both while one rank's next
-    batch has another shape (both capture again one step later)."""
+    batch has another shape (both capture again one step later); a rate that held two steps at the capture on one
+    rank only; a hook before the update on one rank only (both keep the update out)."""
     for rank in (0, 1):
         sides = {}
         for side, folder in dist_runs.items():
@@ -281,6 +282,12 @@ def test_two_processes(dist_runs, scenario):
                 assert int(updates) == 10 and refusal == "None", (rank, updates, refusal)
             elif scenario == "iteration_graph_rank_rate":  # out from step 5
                 assert int(updates) == 3 and "differ between ranks" in refusal, (rank, updates, refusal)
-            else:  # 14 steps: 10 (a new rate) and 11 (rank 1's other shape) eager, recorded again at 12
+            elif scenario == "iteration_graph_rank_shapes":  # 14 steps: 10 (a new rate) and 11 (rank 1's other
+                # shape) eager, recorded again at 12
                 assert int(updates) == 10 and refusal == "None", (rank, updates, refusal)
+            elif scenario == "iteration_graph_rank_warmup_rate":  # 12 steps, recorded at step 2 + 8
+                assert int(updates) == 2 and refusal == "None", (rank, updates, refusal)
+            else:
+                why = "on_before_optimizer_step is overridden" if rank == 0 else "another rank refuses it"
+                assert int(updates) == 0 and why in refusal, (rank, updates, refusal)
 

@@ -181,7 +181,9 @@ def _update(lr: float = 0.01) -> StepUpdate:
     opt.step()
     trainer = SimpleNamespace(gradient_clip_val=None, callbacks=[])
     strategy = SimpleNamespace(optimizers=[opt], lightning_module=SimpleNamespace(trainer=trainer),
-                               graph_options=SimpleNamespace(capture_optimizer=True))
+                               graph_options=SimpleNamespace(capture_optimizer=True),
+                               engine=SimpleNamespace(params=[p], unused=None))
+    p.main_grad = p.grad
     return StepUpdate(strategy, lambda: None, "eager", 30.0)
 
 
@@ -346,3 +348,33 @@ def test_a_hook_set_as_an_attribute_during_the_fit_takes_the_update_out(where):
     strategy = _pair(AdamStep, steps=12, max_epochs=2, callbacks=[_HookFrom(where)])
     stats = strategy.last_step_graph_stats
     assert stats.updates == 6 - WARMUP and "changed during the fit" in stats.update_refusal, stats
+
+
+def test_a_callback_swapped_for_another_is_seen_even_where_python_reuses_its_id():
+    """The fingerprint keeps the callbacks themselves (compared by identity): a callback removed and another appended
+    in its place, with a hook before the update, refuses the update at the next step."""
+    update = _update()
+    update.observe()
+    update.plan(has_graphs=False, fits=False)
+    callbacks = update.strategy.lightning_module.trainer.callbacks
+    callbacks.append(Callback())
+    assert update.plan(has_graphs=False, fits=False)[0] == KEEP and update.refusal is None
+
+    class Scales(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            pass
+
+    callbacks[0] = Scales()
+    update.plan(has_graphs=False, fits=False)
+    assert "Scales implements on_before_optimizer_step" in update.refusal
+
+
+def test_a_capture_that_found_a_parameter_without_state_takes_the_update_out():
+    """The tail of a capture found a parameter with a gradient and no Adam state (its first gradient): that graph
+    holds no update (the step's own ``optimizer.step()`` runs), and the next step drops the graphs, for good."""
+    update = _update()
+    update.observe()
+    assert update.plan(has_graphs=False, fits=False) == (KEEP, True)
+    update.missing = True  # as the tail leaves it
+    assert update.captured(include=True, first=True) is False
+    assert update.refusal and update.plan(has_graphs=True, fits=True) == (RESET, False)

@@ -9,8 +9,9 @@ dtype, and only then do two calls launch the work (``torch._foreach_add_`` on th
 builds them once, after one ordinary step, and from then on makes only the two calls per device/dtype group,
 reading the learning rate, betas, eps, weight decay, ``amsgrad`` and ``maximize`` from the groups at every
 step as ``step()`` does. The result is bit-identical to ``optimizer.step()`` (same kernels, same scalar
-arguments, same per-tensor math; grouping does not change any element's arithmetic), unlike a captured step
-(``graphs.capture_optimizer``), whose ``capturable`` code path computes in float32 on the device.
+arguments, same per-tensor math; grouping does not change any element's arithmetic). A graph records the same calls
+(``graphs.capture_optimizer``, :mod:`.step_graph`), not torch's ``capturable`` path, which reads the learning rate
+as a float32 tensor.
 
 Before every step it checks, by identity, that nothing it cached changed; if anything did, that step is an
 ordinary ``optimizer.step()`` and the lists are rebuilt after it:

@@ -1,38 +1,28 @@
 """The optimizer's update as the last part of the whole step's graph: a training iteration replayed as one launch.
 
-Under ``graphs.capture_optimizer`` a fused ``torch.optim.Adam``/``AdamW`` update is replayed from a graph bit for bit
-(:mod:`cg_lightning.optim.step_graph`: its kernels take the groups' Python values as arguments and compute the bias
-corrections from step counts on the device, as the eager step does). Where the training step is replayed from a
-graph of its own (:mod:`.whole_step`) and nothing of Lightning's between the backward and the update could read or
-change the gradients or the weights, the same kernels are recorded at the end of the step's graph, after the
-gradient sync: forward, backward, sync and update are one replay, and Lightning's ``optimizer.step()`` only marks
-the step taken. (The PyTorch CUDA-graphs notes capture the optimizer step with the rest in their whole-network
-example; Megatron-LM's full-iteration graphs keep it outside.)
+Under ``graphs.capture_optimizer`` a fused ``torch.optim.Adam``/``AdamW`` update is replayed bit for bit from a graph
+(:mod:`cg_lightning.optim.step_graph`: its kernels take the groups' Python values as arguments). Where the training
+step is replayed from a graph of its own (:mod:`.whole_step`) and nothing of Lightning's between the backward and
+the update could read or change the gradients or the weights, the same kernels are recorded at the end of the step's
+graph: forward, backward, sync and update are one replay; ``optimizer.step()`` only marks the step taken. (The
+PyTorch CUDA-graphs notes capture the optimizer with the rest in their whole-network example; Megatron-LM's
+full-iteration graphs keep it outside.) :func:`update_refusal` says when not (also for ``LambdaCallback`` hooks and
+``ddp.find_unused_parameters``); it is read again whenever the optimizers, the clipping value, the callbacks, hooks
+set as attributes or the option change during the fit, and a refusal takes the update out for good.
 
-Refused by :func:`update_refusal` (the update is then a graph of its own, or the cached step): another number of
-optimizers than one, an optimizer the step graph refuses, gradient clipping, a ``ddp.grad_dtype`` other than the
-parameters', the module's ``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping`` or
-``optimizer_step``, or a callback's ``on_after_backward`` or ``on_before_optimizer_step`` (also as instance
-attributes: ``LambdaCallback``). Checked again whenever the optimizers, the clipping value, the callbacks or the
-option itself change during the fit; a refusal then takes the update out of the graphs for good.
-
-Decided before every step by :meth:`StepUpdate.plan`. Graphs that hold the update replay while the optimizer is as
-recorded (its groups and state tensors, the storage of its parameters and state) and every group's kernel values
-equal the recorded ones. The update is recorded into the step's graph when its values equal the previous step's
-(held two steps: a constant learning rate, a scheduler between changes); while they change every step (warmup,
-cosine) the step's graph is recorded without it. A one-off change (an epoch's scheduler step) runs that step eagerly
-and records again at the next step whose batch has a captured signature. A recording is replaced only after it
-served ``patience`` steps, which grows fourfold each time a recording with the update served fewer. With several
-processes every rank takes the same decision: what it is made from (a digest of the values, whether the recording
-holds, whether the update can be recorded, whether the batch has a graph, a refusal) is agreed in one ``MAX``
-all-reduce of a few integers on a gloo group per step, and values that differ between ranks (a rate changed on some
-ranks only) take the update out of the graphs on every rank. Under ``ddp.find_unused_parameters`` the update stays
-out (which parameters it updates is known only after each backward).
+:meth:`StepUpdate.plan`, before every step: graphs that hold the update replay while the optimizer's groups and
+state tensors, their storage and the kernel values are as recorded. The update is recorded when its values held two
+steps; while they change every step (warmup, cosine) the step's graph holds none; a one-off change (an epoch
+scheduler) runs one step eagerly and records again at the next step whose batch has a graph. A recording is replaced
+only after ``patience`` steps, fourfold more after one with the update served fewer. With several processes what a
+decision is made from (a digest of the values and the flags) is agreed in one ``MAX`` all-reduce on a gloo group per
+step, so every rank replays or captures at the same step; values that differ between ranks take the update out.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -90,23 +80,27 @@ def update_phrase(include: bool, joins: bool, capture_optimizer: bool, refusal: 
     if include:
         return "; the update is replayed with it while the optimizer's values hold"
     if joins:
-        return "; the optimizer step is beside it for now (its values changed since the last step), and joins it " \
-               "once they hold"
+        return "; the optimizer step is beside it for now, and may join it once the optimizer's values hold two steps"
     if capture_optimizer:
         return ("; the optimizer step is replayed from a graph of its own while its values hold"
                 + (f" (not part of this graph: {refusal})" if refusal else ""))
     return "; the optimizer step runs eagerly"
 
 
-def _fingerprint(strategy: Any) -> tuple:
-    """What :func:`update_refusal` reads that a fit can change between steps, cheaply compared: the optimizers, the
-    clipping value, the callbacks, the option, and the hooks set on the module or a callback as attributes."""
+def _fingerprint(strategy: Any) -> Tuple[tuple, tuple]:
+    """What :func:`update_refusal` reads that a fit can change between steps, cheaply compared: the optimizers and
+    callbacks (the objects, compared by identity: an id may be handed out again), the clipping value, the option, and
+    the hooks set on the module or a callback as attributes."""
     module = strategy.lightning_module
     trainer = module.trainer
     owners = (module, *trainer.callbacks)
     attributes = tuple(hook in getattr(owner, "__dict__", ()) for owner in owners for hook in _BETWEEN_HOOKS)
-    return (tuple(map(id, strategy.optimizers)), trainer.gradient_clip_val, tuple(map(id, trainer.callbacks)),
-            strategy.graph_options.capture_optimizer, attributes)
+    return ((*strategy.optimizers, None, *trainer.callbacks),
+            (trainer.gradient_clip_val, strategy.graph_options.capture_optimizer, attributes))
+
+
+def _same(a: Tuple[tuple, tuple], b: Tuple[tuple, tuple]) -> bool:
+    return a[1] == b[1] and len(a[0]) == len(b[0]) and all(map(operator.is_, a[0], b[0]))
 
 
 def _digest(values: Optional[tuple]) -> int:
@@ -135,7 +129,23 @@ class StepUpdate:
     within ``timeout_s``.
     """
 
-    def __init__(self, strategy: Any, expose: Callable[[], None], backend_name: str, timeout_s: float) -> None:
+    @classmethod
+    def for_fit(cls, strategy: Any, expose: Callable[[], None], backend_name: str,
+                timeout_s: float) -> Tuple[Optional["StepUpdate"], Optional[str]]:
+        """``(StepUpdate, None)`` for the fit, or ``(None, why not)``; the ranks agree (a refusal on one is one on
+        all). Call on every rank at the same point (it makes a gloo group with several processes)."""
+        group = control_group(timeout_s)
+        reason = update_refusal(strategy, backend_name)
+        if group is not None and _agree(group, [int(reason is not None)], timeout_s)[0] and reason is None:
+            reason = "another rank refuses it (its optimizer, callbacks or hooks differ)"
+        if reason is not None:
+            if group is not None:
+                dist.destroy_process_group(group)
+            return None, reason
+        return cls(strategy, expose, backend_name, timeout_s, group), None
+
+    def __init__(self, strategy: Any, expose: Callable[[], None], backend_name: str, timeout_s: float,
+                 group: Any = None) -> None:
         self.strategy = strategy
         self.backend_name = backend_name
         self.optimizer = strategy.optimizers[0]
@@ -146,10 +156,11 @@ class StepUpdate:
         self.patience = PATIENCE
         self.refusal: Optional[str] = None
         self.missing = False  # the latest capture's tail found a parameter without Adam state and recorded nothing
-        self._group = control_group(timeout_s)  # None with one process
+        self._group = group  # the agreement's gloo group; None with one process
         self._fingerprint = _fingerprint(strategy)
         self._served = 0  # steps since the current recording
         self._previous: Optional[tuple] = None  # the kernel values of the previous step
+        self._kept: List[torch.Tensor] = []  # the parameters and state tensors the recorded kernels read
         self._ptrs: List[int] = []
         self._eager_last = False
 
@@ -160,23 +171,24 @@ class StepUpdate:
     def plan(self, has_graphs: bool, fits: bool) -> Tuple[str, bool]:
         """Before a step after warmup: ``(action, include)``; ``action`` is :data:`KEEP` (replay the graphs there
         are, or capture this batch's), :data:`RESET` (drop them and capture this step), :data:`EAGER` (run this
-        step eagerly) or :data:`DROP` (drop them and run this step eagerly); ``include``: a graph captured now holds
-        the update. ``has_graphs``: step graphs exist; ``fits``: one of them was captured for this step's batch
-        (else a reset waits for a batch that has one)."""
+        step eagerly) or :data:`DROP` (drop them and run this step eagerly); ``include``: the graph replayed or
+        captured now holds the update. ``has_graphs``: step graphs exist; ``fits``: one of them was captured for this
+        step's batch (else a reset waits for a batch that has one)."""
         values = kernel_values(self.optimizer)
-        holds = self.recorded is not None and values == self.recorded and self._holds()
-        recordable = holds or self._recordable()  # holding graphs were recorded from a plain step with its state
-        refusal = self._refusal_now()
-        self._served += 1  # steps since the recording, the same on every rank
-        if self._group is not None:  # every rank decides from the same inputs
-            digest = _digest(values)
-            got = self._agree([digest, -digest, -int(holds), -int(recordable), -int(fits), int(refusal is not None)])
-            if got[0] != -got[1]:
-                refusal = refusal or "the optimizer's values differ between ranks (a rate changed on some only)"
-            holds, recordable, fits = -got[2] == 1, -got[3] == 1, -got[4] == 1  # on every rank: min as -max(-x)
-            refusal = refusal or ("another rank's optimizer or callbacks changed" if got[5] else None)
         stable = values is not None and values == self._previous
         self._previous = values
+        holds = self.recorded is not None and values == self.recorded and self._holds()
+        recordable = holds or (stable and self._recordable())  # graphs that hold were recorded with the state
+        refusal = self._refusal_now()
+        self._served += 1  # steps since the recording, the same on every rank
+        if self._group is not None:  # every rank decides from the same inputs: the minimum of each flag as -max(-x)
+            digest = _digest(values)
+            got = _agree(self._group, [digest, -digest, -int(stable), -int(holds), -int(recordable), -int(fits),
+                                       int(refusal is not None)], self.timeout_s)
+            if got[0] != -got[1]:
+                refusal = refusal or "the optimizer's values differ between ranks (a rate changed on some only)"
+            stable, holds, recordable, fits = (-flag == 1 for flag in got[2:6])
+            refusal = refusal or ("another rank's optimizer or callbacks changed" if got[6] else None)
         recordable = recordable and stable and refusal is None
         eager_last, self._eager_last = self._eager_last, False
         if refusal is not None:  # graphs that hold the update must not replay again
@@ -187,25 +199,37 @@ class StepUpdate:
         if not has_graphs:
             return KEEP, recordable
         if self.recorded is None:  # graphs without the update
-            return self._reset(True, fits) if recordable and self._served >= self.patience else (KEEP, False)
+            ready = recordable and self._served >= self.patience
+            return self._reset_when_fits(True, fits) if ready else (KEEP, False)
         if holds:
             return KEEP, True
         if recordable and self._served >= self.patience:
-            return self._reset(True, fits)
+            return self._reset_when_fits(True, fits)
         if not stable and not eager_last:  # a change: one eager step for the values to settle
             self._eager_last = True
             return EAGER, False
         if fits and self._served < self.patience:  # the recording with the update served too few steps
             self.patience *= 4
-        return self._reset(False, fits)
+        return self._reset_when_fits(False, fits)
 
-    def captured(self, include: bool, first: bool) -> None:
-        """A graph was captured this step (after :meth:`plan`), with the update if ``include`` (the tail of that
-        capture recorded it); ``first``: no step graphs were there before it (a new recording)."""
+    def captured(self, include: bool, first: bool) -> bool:
+        """A graph was captured this step (after :meth:`plan`), with the update if ``include``; ``first``: no step
+        graphs were there before it (a new recording). Returns whether this rank's graph holds the update: not where
+        its tail found a parameter without Adam state (a first gradient), which then takes the update out on every
+        rank (the next step drops the graphs)."""
+        done = include and not self.missing
         if first:
             self._served = 0
-            self.recorded = kernel_values(self.optimizer) if include else None
-            self._ptrs = [t.data_ptr() for t in self._tensors()]
+            self.recorded = kernel_values(self.optimizer) if done else None
+            self._kept = self.cached.tensors(grads=False) if done else []
+            self._ptrs = list(map(torch.Tensor.data_ptr, self._kept))
+        missing = self.missing
+        if include and self._group is not None:
+            missing = bool(_agree(self._group, [int(missing)], self.timeout_s)[0])
+        if missing:
+            self.refusal = "a parameter got its first gradient in the captured step (it has no Adam state to record)"
+            self.recorded = self.recorded or ()  # every rank drops its graphs at the next step
+        return done
 
     def tail(self) -> Callable[[], None]:
         """The work recorded at the end of one capture (and run at every replay of an eager backend): ``param.grad``
@@ -233,21 +257,17 @@ class StepUpdate:
             dist.destroy_process_group(self._group)
         self._group = None
 
-    def _reset(self, include: bool, fits: bool) -> Tuple[str, bool]:
+    @staticmethod
+    def _reset_when_fits(include: bool, fits: bool) -> Tuple[str, bool]:
+        """A reset now where the batch has a graph (on every rank); else this step runs eagerly and it waits."""
         return (RESET, include) if fits else (EAGER, False)
-
-    def _agree(self, values: Sequence[int]) -> List[int]:
-        flags = torch.tensor(list(values), dtype=torch.int64)
-        with peer_errors("the agreement on the optimizer's update before a step", self.timeout_s):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        return flags.tolist()
 
     def _refusal_now(self) -> Optional[str]:
         """:func:`update_refusal` again where what it reads changed since the last look, else ``None``."""
         if self.refusal is not None:
             return self.refusal
         now = _fingerprint(self.strategy)
-        if now == self._fingerprint:
+        if _same(now, self._fingerprint):
             return None
         self._fingerprint = now
         reason = update_refusal(self.strategy, self.backend_name)
@@ -259,15 +279,19 @@ class StepUpdate:
 
     def _recordable(self) -> bool:
         """The update can be recorded now: a plain step, every parameter that got a gradient last step with its
-        Adam state."""
-        return self.cached.plain() and self.cached.has_state()
-
-    def _tensors(self) -> List[torch.Tensor]:
-        """What the recorded kernels read and write besides the gradients (graph-internal): the parameters and
-        their Adam state."""
-        return self.cached.tensors(grads=False)
+        Adam state (known where the cached lists still describe the optimizer)."""
+        cached = self.cached
+        return cached.plain() and (cached.usable(grads=False) or cached.has_state())
 
     def _holds(self) -> bool:
-        """The optimizer is as the graphs recorded it: the same groups and state tensors, their storage (and the
-        parameters') where it was."""
-        return self.cached.usable(grads=False) and self._ptrs == [t.data_ptr() for t in self._tensors()]
+        """The optimizer is as the graphs recorded it: the same groups and state tensors (so the kept list is still
+        what the kernels read), their storage and the parameters' where it was."""
+        return self.cached.usable(grads=False) and list(map(torch.Tensor.data_ptr, self._kept)) == self._ptrs
+
+
+def _agree(group: Any, values: Sequence[int], timeout_s: float) -> List[int]:
+    """The element-wise maximum of ``values`` over the ranks of ``group`` (gloo, on the host)."""
+    flags = torch.tensor(list(values), dtype=torch.int64)
+    with peer_errors("the agreement on the optimizer's update before a step", timeout_s):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags.tolist()

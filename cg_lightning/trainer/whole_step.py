@@ -35,7 +35,7 @@ from ..graphs.step.step_code import StepCodeReport, check_step_code
 from ..graphs.step.whole_step import StepGraph, StepGraphs, StepGuards
 from .step_checks import FRAMEWORK, raised_at, static_refusal, step_output
 from .step_function import LightningStepFunction
-from .step_update import DROP, EAGER, RESET, StepUpdate, update_phrase, update_refusal
+from .step_update import DROP, EAGER, RESET, StepUpdate, update_phrase
 
 
 class LightningWholeStep:
@@ -136,11 +136,10 @@ class LightningWholeStep:
                 self.give_up(reason)
                 return False, None
             self.strategy.engine.adoption.want()  # no gradient buffer beside the activations before the capture
-            if self.options.capture_optimizer:
-                reason = self.stats.update_refusal = update_refusal(self.strategy, self.graphs.backend.name)
-                if reason is None:
-                    self.update = StepUpdate(self.strategy, self.strategy.engine.expose_grads,
-                                             self.graphs.backend.name, self.strategy.ddp_options.timeout_s)
+            if self.options.capture_optimizer:  # on every rank: the ranks agree on a refusal
+                self.update, self.stats.update_refusal = StepUpdate.for_fit(
+                    self.strategy, self.strategy.engine.expose_grads, self.graphs.backend.name,
+                    self.strategy.ddp_options.timeout_s)
         if trainer.accumulate_grad_batches != 1:  # each step: a GradientAccumulationScheduler sets it per epoch
             self.give_up(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})")
             return False, None
@@ -183,9 +182,8 @@ class LightningWholeStep:
             graph = self._capture(batch, rest, kwargs, include, reset)
             if graph is None:
                 return False, None
-            include = include and not update.missing  # a parameter without Adam state: nothing recorded
-            if update is not None:
-                update.captured(include, first)
+            if update is not None:  # False where the tail found a parameter without Adam state
+                include = update.captured(include, first)
         else:
             graphs.replay(graph, batch)
         if include:
@@ -198,8 +196,8 @@ class LightningWholeStep:
     def _capture(self, batch: Any, rest: tuple, kwargs: dict, include: bool = False,
                  reset: bool = False) -> Optional[StepGraph]:
         """Capture this step (with the optimizer's update at its end if ``include``) and run it; ``None`` once the
-        capture failed (the step is then run eagerly by the caller). ``reset``: the graphs were dropped for a
-        change of the update's values (announced only when the update joins or leaves the graph)."""
+        capture failed (the step is then run eagerly by the caller). ``reset``: the graphs were dropped for the
+        update's sake (announced only when the update joins or leaves the graph)."""
         strategy = self.strategy
         module = strategy.lightning_module
         # host reads of constants are answered from the eager run and all others refused, naming the line; code that

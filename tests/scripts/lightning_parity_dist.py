@@ -30,15 +30,28 @@ from tests.lightning_runs import OutcomeRecorder, candidate, train
 
 
 class NewRate(Callback):
-    """At ``step`` a new learning rate on ``ranks`` (on some only, as a plateau scheduler on an unsynced metric may)."""
+    """At ``step`` a new learning rate on ``ranks`` (on some only, as a plateau scheduler on an unsynced metric may);
+    with ``back``, the old one again at the next step."""
 
-    def __init__(self, step: int, ranks=(0, 1)) -> None:
-        self.step, self.ranks = step, ranks
+    def __init__(self, step: int, ranks=(0, 1), back: bool = False) -> None:
+        self.step, self.ranks, self.back = step, ranks, back
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and trainer.global_rank in self.ranks:
-            for group in trainer.optimizers[0].param_groups:
+        if trainer.global_rank not in self.ranks:
+            return
+        for group in trainer.optimizers[0].param_groups:
+            if trainer.global_step == self.step:
                 group["lr"] = 0.003
+            elif self.back and trainer.global_step == self.step + 1:
+                group["lr"] = 0.01
+
+
+class RankZeroHook(PlainAdamModel):
+    """On rank 0 only, an ``on_before_optimizer_step`` set on the module that halves the gradients."""
+
+    def setup(self, stage: str) -> None:
+        if self.global_rank == 0:
+            self.on_before_optimizer_step = lambda optimizer: [p.grad.mul_(0.5) for p in self.parameters()]
 
 
 class RankShapes(PlainAdamModel):
@@ -73,13 +86,22 @@ SCENARIOS = {
     # capture again together at step 12, not rank 0 alone at step 11
     "iteration_graph_rank_shapes": ("ddp", RankShapes, dict(max_epochs=1, recorder=OutcomeRecorder,
                                                              use_distributed_sampler=False, callbacks=[NewRate(10)])),
+    # ... and another rate on rank 0 only in the last warmup step (step 1): held two steps on rank 1 only at the
+    # capture, so neither rank records the update then (recorded once the step graph served 8 steps)
+    "iteration_graph_rank_warmup_rate": ("ddp", PlainAdamModel, dict(max_epochs=3, recorder=OutcomeRecorder,
+                                                                     callbacks=[NewRate(1, ranks=(0,), back=True)])),
+    # ... and a hook between the backward and the update on rank 0 only: both ranks keep the update out
+    "iteration_graph_rank_hook": ("ddp", RankZeroHook, dict(max_epochs=3, recorder=OutcomeRecorder)),
 }
 
 #: scenario -> the candidate's graphs options, where it is not the reference's candidate strategy name
 CANDIDATE_GRAPHS = {"whole_step": {"whole_step": True, "backend": "eager", "warmup_steps": 2},
                     "iteration_graph": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True},
                     "iteration_graph_rank_rate": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True},
-                    "iteration_graph_rank_shapes": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True}}
+                    "iteration_graph_rank_shapes": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True},
+                    "iteration_graph_rank_warmup_rate": {"backend": "eager", "warmup_steps": 2,
+                                                         "capture_optimizer": True},
+                    "iteration_graph_rank_hook": {"backend": "eager", "warmup_steps": 2, "capture_optimizer": True}}
 
 
 def main() -> None:

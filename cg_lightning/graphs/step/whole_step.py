@@ -114,8 +114,8 @@ class StepGraphStats:
 
     captures: int = 0  #: step graphs captured (one per batch signature)
     replays: int = 0  #: steps replayed from a graph
-    #: steps after warmup that ran eagerly (a batch of another signature; the step where the optimizer's values
-    #: changed under a graph that holds its update)
+    #: steps after warmup that ran eagerly (a batch of another signature; a step whose graph held an update that could
+    #: not replay, while the update waits to be recorded again)
     eager_steps: int = 0
     updates: int = 0  #: optimizer updates run inside the step's graph (``graphs.capture_optimizer``)
     update_refusal: Optional[str] = None  #: why the optimizer's update is not part of the step's graph
