@@ -39,7 +39,7 @@ from .step_checks import LIGHTNING_BASES, overridden
 _BETWEEN_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
 #: the callbacks' hooks Lightning runs there
 _CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-#: replays a recording serves before it may be replaced, at first
+#: steps a recording serves before it may be replaced, at first
 PATIENCE = 8
 
 #: replay (or capture this batch's graph); drop the graphs and capture; run eagerly; drop the graphs and run eagerly
@@ -118,6 +118,7 @@ class StepUpdate:
             sees it in an eager step.
         backend_name: the step graphs' backend (``"cuda"``: every parameter must be on a GPU).
         timeout_s: ``ddp.timeout_s``, bounding the agreement between processes.
+        group: the agreement's gloo group (:meth:`for_fit` makes it), ``None`` with one process.
 
     Attributes:
         recorded: the kernel values the current graphs update with; ``None`` while they hold no update.
