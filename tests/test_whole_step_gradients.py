@@ -54,11 +54,19 @@ class _OwnZeroGrad(PlainStep):
         return _KeepsGrads(self.parameters(), lr=0.05)
 
 
+def _lambda_prior():
+    """``_Prior``'s hook given to a ``LambdaCallback`` (an instance attribute, not a method of a subclass)."""
+    from lightning.pytorch.callbacks import LambdaCallback
+
+    return LambdaCallback(on_before_backward=_Prior.on_before_backward.__get__(_Prior()))
+
+
 @pytest.mark.parametrize("model, callbacks, refusal", [
     (PlainStep, [_Prior], "the callback _Prior implements on_before_backward"),
+    (PlainStep, [_lambda_prior], "the callback LambdaCallback implements on_before_backward"),
     (_OutsideOptimizer, [], "the parameter 'head.weight' requires grad but is in no optimizer"),
     (_OwnZeroGrad, [], "_KeepsGrads.zero_grad is not torch.optim.Optimizer's"),
-], ids=["on_before_backward", "outside_optimizer", "own_zero_grad"])
+], ids=["on_before_backward", "lambda_on_before_backward", "outside_optimizer", "own_zero_grad"])
 def test_gradients_that_outlive_zero_grad_refuse_the_whole_step_and_train_like_ddp(model, callbacks, refusal):
     ref = train("ddp", model, max_steps=STEPS, callbacks=[c() for c in callbacks])
     strategy = cg_strategy()
