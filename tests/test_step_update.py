@@ -21,10 +21,7 @@ from tests.lightning_runs import OutcomeRecorder, assert_same, train
 STEPS = 14
 
 
-AdamStep = PlainAdamModel
-
-
-class WarmupAdamStep(AdamStep):
+class WarmupAdamStep(PlainAdamModel):
     """The learning rate warmed up linearly over ``warmup`` steps by a per-step scheduler, then constant (or a
     cosine over the whole run: a new value every step)."""
 
@@ -57,7 +54,7 @@ def test_with_a_constant_learning_rate_every_update_after_warmup_runs_in_the_ste
     records). One line announces the iteration graph. Weights, outputs, optimizer state and learning rates after
     every batch equal "ddp"."""
     with caplog.at_level(logging.INFO):
-        strategy = _pair(AdamStep, max_epochs=2)
+        strategy = _pair(PlainAdamModel, max_epochs=2)
     stats = strategy.last_step_graph_stats
     assert stats.refusal is None and stats.update_refusal is None, stats
     assert stats.captures == 1 and stats.updates == STEPS - WARMUP and stats.eager_steps == 0, stats
@@ -86,7 +83,7 @@ def test_a_rate_that_changes_every_step_never_joins_the_step_graph():
     assert stats.captures == 1 and stats.updates == 0 and stats.update_refusal is None, stats
 
 
-class EpochAdamStep(AdamStep):
+class EpochAdamStep(PlainAdamModel):
     """The learning rate halved at every epoch's end (a StepLR stepped per epoch)."""
 
     def configure_optimizers(self):
@@ -118,7 +115,7 @@ class _SetLR(Callback):
 def test_a_rate_set_by_a_callback_after_capture_is_never_replayed_with_the_old_value():
     """A float assigned to every group's ``lr`` at step 12: that step runs eagerly with it, step 13 records the
     iteration again, the rest replay; exact."""
-    strategy = _pair(AdamStep, steps=18, max_epochs=3, callbacks=[_SetLR(12)])
+    strategy = _pair(PlainAdamModel, steps=18, max_epochs=3, callbacks=[_SetLR(12)])
     stats = strategy.last_step_graph_stats
     assert stats.eager_steps == 1 and stats.captures == 2 and stats.updates == 18 - WARMUP - 1, stats
 
@@ -128,7 +125,7 @@ class _ReadsGradients(Callback):
         pl_module.seen = [p.grad.clone() for p in pl_module.parameters()]
 
 
-class _AfterBackward(AdamStep):
+class _AfterBackward(PlainAdamModel):
     def on_after_backward(self) -> None:
         for p in self.parameters():
             p.grad.mul_(0.5)
@@ -144,7 +141,7 @@ def test_what_runs_between_the_backward_and_the_update_keeps_the_update_out_of_t
     """Clipping, a hook that sees the gradients before the update (it could change them, or read the weights), or an
     optimizer the step graph refuses: the step graph holds no update (the reason is kept), the optimizer steps beside
     it; the hooks see and do what they do under "ddp", bit for bit."""
-    model, kwargs = AdamStep, {}
+    model, kwargs = PlainAdamModel, {}
     if case == "clip":
         kwargs = dict(gradient_clip_val=0.5)
     elif case == "callback":
@@ -153,7 +150,7 @@ def test_what_runs_between_the_backward_and_the_update_keeps_the_update_out_of_t
         model = _AfterBackward
     else:
         def model():
-            m = AdamStep()
+            m = PlainAdamModel()
             m.optimizer_name = "adam"  # foreach Adam
             return m
     strategy = _pair(model, recorder=OutcomeRecorder, **kwargs)
@@ -242,7 +239,7 @@ def test_hooks_given_as_instance_attributes_keep_the_update_out_of_the_step_grap
     from lightning.pytorch.callbacks import LambdaCallback
 
     def model():
-        m = AdamStep()
+        m = PlainAdamModel()
         if how == "module_attribute":
             m.on_after_backward = lambda: [p.grad.mul_(0.5) for p in m.parameters()]
         return m
@@ -279,7 +276,7 @@ def test_a_new_optimizer_or_clipping_during_the_fit_takes_the_update_out_of_the_
     6, after the update joined the step's graph: from that step on the step's graph holds no update (one line says
     why) and the new optimizer steps, or the gradients are clipped before the update, as under "ddp"."""
     with caplog.at_level(logging.INFO):
-        strategy = _pair(AdamStep, steps=12, max_epochs=2, callbacks=[callback()])
+        strategy = _pair(PlainAdamModel, steps=12, max_epochs=2, callbacks=[callback()])
     stats = strategy.last_step_graph_stats
     assert stats.updates == 6 - WARMUP and reason in stats.update_refusal, stats
     assert any("leaves the step's graph" in r.getMessage() for r in caplog.records)
@@ -289,7 +286,7 @@ def test_a_change_on_an_epochs_short_last_batch_records_again_on_a_full_batch():
     """30 samples in batches of 4 (a batch of 2 ends each epoch) and a new rate at the step before a short batch:
     the update is recorded again on the next full batch, not for the short one (which would leave every full batch
     eager)."""
-    class Ragged(AdamStep):
+    class Ragged(PlainAdamModel):
         def train_dataloader(self):
             return loader(30)
 
@@ -310,7 +307,7 @@ def test_find_unused_parameters_keeps_the_update_out_and_trains_like_ddp():
     """``find_unused_parameters`` with a head that never joins the loss: which parameters have a gradient is known
     only after each backward (the engine hides the others' from the optimizer), so the update is not recorded into
     the step's graph; the reason says so, and the hooks after the step see the gradients "ddp" shows."""
-    class Unused(AdamStep):
+    class Unused(PlainAdamModel):
         def __init__(self):
             super().__init__()
             self.unused = torch.nn.Linear(8, 1)
@@ -345,7 +342,7 @@ class _HookFrom(Callback):
 def test_a_hook_set_as_an_attribute_during_the_fit_takes_the_update_out(where):
     """A hook between the backward and the update set on the module or on a callback during the fit (step 6): the
     update leaves the step's graph at that step, so the hook runs before it, as under "ddp"."""
-    strategy = _pair(AdamStep, steps=12, max_epochs=2, callbacks=[_HookFrom(where)])
+    strategy = _pair(PlainAdamModel, steps=12, max_epochs=2, callbacks=[_HookFrom(where)])
     stats = strategy.last_step_graph_stats
     assert stats.updates == 6 - WARMUP and "changed during the fit" in stats.update_refusal, stats
 
