@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cg_lightning import torch_compat
+
 Batch = Tuple[Tensor, Tensor]
 
 # Model sizes: d_model, layers, heads, sequence length T (= block_size), batch size B.
@@ -294,10 +296,12 @@ def single_process_group(device: torch.device):
 
 
 def free_memory(device: torch.device) -> None:
-    """Collect garbage and return cached device memory (between peers)."""
+    """Collect garbage, drop the cuBLAS workspaces earlier peers' streams left and return cached device memory
+    (between peers), so that each peer's peak holds only what it allocated itself."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch_compat.clear_cublas_workspaces()
         torch.cuda.empty_cache()
 
 

@@ -222,6 +222,17 @@ def empty_host_cache() -> None:
         empty()
 
 
+def clear_cublas_workspaces() -> None:
+    """``torch._C._cuda_clearCublasWorkspaces``: return the cuBLAS (and cuBLASLt) workspaces torch keeps per handle
+    and stream (``CublasHandlePool.cpp``) to the caching allocator; the next GEMM on a stream allocates its own
+    again. Inductor's CUDA-graph trees call it around warmup and recording (``clear_cublass_cache`` in
+    ``torch/_inductor/cudagraph_trees.py``). Only safe where no captured graph still uses a workspace allocated
+    outside its pool. Does nothing where torch lacks it (a CPU-only build)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_available():
+        clear()
+
+
 # ------------------------------------------------------------------------- kernels
 def _foreach_add_fallback(tensors: Sequence[torch.Tensor], others) -> None:
     if isinstance(others, (int, float)):
