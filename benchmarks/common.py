@@ -295,14 +295,19 @@ def single_process_group(device: torch.device):
         destroy_process_group()
 
 
-def free_memory(device: torch.device) -> None:
+def free_memory(device: torch.device) -> int:
     """Collect garbage, drop the cuBLAS workspaces earlier peers' streams left and return cached device memory
-    (between peers), so that each peer's peak holds only what it allocated itself."""
+    (between peers), so that each peer's peak holds only what it allocated itself. Returns the bytes the
+    workspaces held (0 on a CPU)."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch_compat.clear_cublas_workspaces()
-        torch.cuda.empty_cache()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device)
+    torch_compat.clear_cublas_workspaces()
+    freed = held - torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    return freed
 
 
 def mib(n_bytes: float) -> float:

@@ -158,7 +158,7 @@ def run_peer(peer: Peer, s: RunSettings) -> Dict[str, Any]:
         row.update(status="error", reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         result = None
     finally:
-        cleanup_error = _cleanup(s)
+        cleanup_error = _cleanup(s, row)
     if cleanup_error:
         row["cleanup_error"] = cleanup_error
     if result is None:
@@ -180,10 +180,15 @@ def run_peer(peer: Peer, s: RunSettings) -> Dict[str, Any]:
     return row
 
 
-def _cleanup(s: RunSettings) -> Optional[str]:
-    """Destroy a process group a peer left (Lightning keeps its own until exit), free memory."""
+def _cleanup(s: RunSettings, row: Dict[str, Any]) -> Optional[str]:
+    """Destroy a process group a peer left (Lightning keeps its own until exit), free memory; put the cuBLAS
+    workspaces the peer's streams held into ``row["cublas_workspaces_mib"]`` (part of its peak)."""
+
+    def free() -> None:
+        row["cublas_workspaces_mib"] = mib(free_memory(s.device)) if s.is_cuda else None
+
     problems = []
-    for what, fn in (("process group", destroy_process_group), ("memory", lambda: free_memory(s.device))):
+    for what, fn in (("process group", destroy_process_group), ("memory", free)):
         try:
             fn()
         except Exception as exc:  # noqa: BLE001

@@ -27,8 +27,6 @@ if __package__ in (None, ""):
 
 import torch
 
-from cg_lightning import torch_compat
-
 MIB = 1024 * 1024
 
 
@@ -119,10 +117,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"(recording on) {row.get('reason', '')}", flush=True)
             _, lines = peak_report(snapshot["device_traces"][device.index], args.top)
             print("\n".join(lines), flush=True)
-            held = torch.cuda.memory_allocated(device)
-            torch_compat.clear_cublas_workspaces()
-            print(f"after the peer: {held / MIB:.0f} MiB still allocated, of which cuBLAS workspaces "
-                  f"{(held - torch.cuda.memory_allocated(device)) / MIB:.0f} MiB", flush=True)
+            print(f"cuBLAS workspaces the peer's streams held: {row.get('cublas_workspaces_mib') or 0:.0f} MiB",
+                  flush=True)
     return 0
 
 
