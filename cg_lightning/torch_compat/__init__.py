@@ -5,7 +5,8 @@ it. Where a public path exists, a torch without the private API falls back to it
 first use raises :class:`TorchAPIMissing` naming the feature, the installed torch and what to do. Nothing
 else in ``cg_lightning`` touches ``torch._*``, ``torch._C``, ``torch.utils._*``, private attributes of
 tensors, modules or optimizers, or private ``torch.distributed`` functions (a test greps the package).
-The ``torch.distributed`` ones are in :mod:`.distributed`, re-exported here.
+The ``torch.distributed`` ones are in :mod:`.distributed`, those of the device and host allocators in
+:mod:`.memory`, both re-exported here.
 
 Imports only torch.
 """
@@ -195,44 +196,6 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
-# ------------------------------------------------------------------------- graph memory pools
-def end_allocate_to_pool(device: int, pool) -> bool:
-    """``torch._C._cuda_endAllocateToPool``: the device caching allocator stops routing a capture's allocations into
-    ``pool`` (a pool id); the pinned-host allocator is not touched (no torch API reaches it). ``CUDAGraph.capture_end``
-    does this, except when ``cudaStreamEndCapture`` raises (an invalidated capture). Returns ``False``, doing
-    nothing, when nothing is routed into ``pool`` (``capture_end`` got that far) or the installed torch lacks the API
-    (then a later ``torch.cuda.empty_cache()`` trips the allocator's ``captures_underway.empty()`` assert)."""
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is None:
-        return False
-    try:
-        end(device, pool)
-    except RuntimeError:  # "not currently recording to mempool_id"
-        return False
-    return True
-
-
-def empty_host_cache() -> None:
-    """``torch._C._host_emptyCache``: the pinned-host caching allocator frees its unused blocks and forgets the graph
-    pools whose count fell to zero, so that a later capture can make them again (its ``create_or_incref_pool``
-    asserts ``use_count > 0`` on a pool still listed). ``torch.cuda.graph`` calls it before every capture
-    (``torch/cuda/graphs.py``, torch 2.11 and later). Does nothing where torch lacks it (a CPU-only build)."""
-    empty = getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None:
-        empty()
-
-
-def clear_cublas_workspaces() -> None:
-    """``torch._C._cuda_clearCublasWorkspaces``: return the cuBLAS (and cuBLASLt) workspaces torch keeps per handle
-    and stream (``CublasHandlePool.cpp``) to the caching allocator; the next GEMM on a stream allocates its own
-    again. Inductor's CUDA-graph trees call it around warmup and recording (``clear_cublass_cache`` in
-    ``torch/_inductor/cudagraph_trees.py``). Only safe where no captured graph still uses a workspace allocated
-    outside its pool. Does nothing where torch lacks it (a CPU-only build)."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None and torch.cuda.is_available():
-        clear()
-
-
 # ------------------------------------------------------------------------- kernels
 def _foreach_add_fallback(tensors: Sequence[torch.Tensor], others) -> None:
     if isinstance(others, (int, float)):
@@ -300,6 +263,9 @@ def fused_adam_kernel(decoupled_weight_decay: bool) -> Callable:
                        "built without fused=True (the step then runs through torch.optim).")
     return kernel
 
+
+# ------------------------------------------------------------------------- device memory (re-exported)
+from .memory import clear_cublas_workspaces, empty_host_cache, end_allocate_to_pool  # noqa: E402,F401
 
 # ------------------------------------------------------------------------- distributed (re-exported)
 from .distributed import (  # noqa: E402,F401
