@@ -51,7 +51,7 @@ class GraphOptions:
     """A layer whose capture fails: ``"raise"``, ``"eager"`` or ``"split"`` (graph its parts); ``None``: split if chosen by default, else raise."""
 
     capture_optimizer: bool = False
-    """Lightning only: replay a fused ``Adam``/``AdamW`` step from a graph while its values hold (inside the whole step's graph where nothing runs between backward and update); bit-exact."""
+    """Lightning only: replay a fused ``Adam``/``AdamW`` step from a graph while its values hold (inside the whole step's graph where nothing runs between backward and update); bit-exact; opt-in: no measured speed-up, a capture per rate change, a per-step agreement between ranks."""
 
     cached_optimizer_step: bool = True
     """Step a fused ``Adam``/``AdamW`` on tensor lists kept across steps: bit-identical, less host time."""
