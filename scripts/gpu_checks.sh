@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # What the GPU machine must show after graph/DDP/strategy changes.
-# Usage (repository root, GPU machine): bash scripts/gpu_checks.sh OUTDIR [tests|bench|main|accelerate|all] [main_steps]
+# Usage (repository root, GPU machine): bash scripts/gpu_checks.sh OUTDIR [tests|bench|defaults|main|accelerate|all] [main_steps]
 #   tests: the cuda-marked tests;  bench: benchmarks/step_time.py, every peer at the tiny, small and compute sizes;
+#   defaults: the README's results table, one step_time run per model (DEFAULTS_MODELS, default "llama gpt") over
+#   the three sizes: reduce-overhead, the whole-step graph, the defaults, a model the LightningModule compiled and
+#   Lightning "ddp" on it (about 6 minutes a model on one H100);
 #   main: the main job on the shipped gpt_small configuration (main_steps steps, default 200);
 #   accelerate: examples/train_accelerate.py on 1 GPU, real graphs against the eager Accelerate run (fp32 and bf16, 2 micro-batches per step);  all: tests, bench, main.
 # Results in OUTDIR: cuda_tests_all_<gpu>_<date>.log, step_time_<sizes>_<gpu>_<date>.{md,json,png},
@@ -11,8 +14,8 @@
 set -uo pipefail
 out=${1:-/tmp/gpu_checks}; what=${2:-all}; small_steps=${3:-200}
 small_config=cg_lightning/examples/configs/gpt_small.yaml
-case "$what" in tests|bench|main|accelerate|all) ;; *)
-  echo "gpu_checks.sh: unknown section '$what'; use one of tests, bench, main, accelerate, all" >&2; exit 2;; esac
+case "$what" in tests|bench|defaults|main|accelerate|all) ;; *)
+  echo "gpu_checks.sh: unknown section '$what'; use one of tests, bench, defaults, main, accelerate, all" >&2; exit 2;; esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -36,6 +39,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.step_time --sizes ${BENCH_SIZES:-tiny small compute} --out "$out" 2>&1 | tee "$out/bench.log" | tail -40 || status=1
+fi
+if [ "$what" = defaults ]; then
+  for model in ${DEFAULTS_MODELS:-llama gpt}; do
+    python3 -m benchmarks.step_time --model "$model" --sizes tiny small compute --repeats 3 --steps 20 --peers \
+      compile_reduce_overhead whole_step_graph cudagraph_ddp cudagraph_ddp_user_compile lightning_ddp_compile \
+      --tag defaults --out "$out" 2>&1 | tee "$out/defaults_$model.log" | grep -E "ms/step|error" || status=1
+  done
 fi
 if [ "$what" = main ] || [ "$what" = all ]; then
   python3 -m cg_lightning fit --config $small_config --trainer.max_steps="$small_steps" \
