@@ -368,3 +368,32 @@ def test_accelerate_one_process_check_preemption_and_exit(fresh_accelerate_state
     with pytest.raises(SystemExit) as exit_info:
         acc.exit_preempted()
     assert exit_info.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_bound_world_destroys_the_group_at_exit_after_the_boards_wait(monkeypatch):
+    """The loop front ends' ``bound_world`` (Fabric, Accelerate) registers the default group's destruction at exit,
+    whatever its backend: a gloo group alive at interpreter exit aborted a two-process Fabric run now and then
+    ("terminate called without an active exception"). Registered before the board's exit wait, so it runs after
+    it (``atexit`` runs last-registered first); once per process; the handler destroys a live group."""
+    import torch.distributed as dist
+
+    registered = []
+    monkeypatch.setattr(peers.atexit, "register", registered.append)
+    monkeypatch.setattr(progress.atexit, "register", registered.append)
+    monkeypatch.setattr(peers, "_EXIT_REGISTERED", False)
+    monkeypatch.setattr(progress, "open_board", lambda *a, **k: registered.append(progress._at_exit))
+    monkeypatch.setattr(peers.torch_compat, "set_group_timeout", lambda *a, **k: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    assert peers.bound_world(30.0) and peers.bound_world(30.0)
+    assert registered == [peers._destroy_world, progress._at_exit, progress._at_exit]
+    monkeypatch.undo()
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        peers._destroy_world()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

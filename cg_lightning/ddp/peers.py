@@ -27,6 +27,7 @@ say "another rank". Imports only torch.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import time
 from typing import Dict, Iterator, List, Optional
@@ -225,13 +226,33 @@ def peer_errors(during: str, timeout_s: float) -> Iterator[None]:
         raise peer_error(exc, during, timeout_s) from exc
 
 
+def destroy_world_at_exit() -> None:
+    """Destroy the default process group at interpreter exit, whatever its backend (once per process). A gloo
+    group still alive then can abort the process on recent torch ("terminate called without an active
+    exception"); Lightning and Fabric register their own destruction for NCCL only."""
+    global _EXIT_REGISTERED
+    if not _EXIT_REGISTERED:
+        atexit.register(_destroy_world)
+        _EXIT_REGISTERED = True
+
+
+_EXIT_REGISTERED = False
+
+
+def _destroy_world() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def bound_world(timeout_s: float) -> bool:
-    """With several processes in the world group: its collectives wait at most ``timeout_s`` from now on and this
-    process's progress board opens (the loop front ends do this at their first set-up model). Returns whether it
-    did; with one process there is nothing to bound."""
+    """With several processes in the world group: its collectives wait at most ``timeout_s`` from now on, the group
+    is destroyed at interpreter exit (:func:`destroy_world_at_exit`, after the progress board's own exit wait) and
+    this process's progress board opens (the loop front ends do this at their first set-up model). Returns whether
+    it did; with one process there is nothing to bound."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return False
     torch_compat.set_group_timeout(timeout_s)
+    destroy_world_at_exit()  # registered before the board's exit wait, so it runs after it
     progress.open_board(dist.get_rank(), dist.get_world_size(), timeout_s)
     return True
 

@@ -33,11 +33,9 @@ Works for 1..N devices: real CUDA graphs on GPUs, the eager graph backend on CPU
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 from typing import Any, Dict, Optional, Union
 
-import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
@@ -46,7 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from ..registration import LightningNamespace, wrong_trainer_error
-from ..ddp import DataParallelEngine, DDPOptions
+from ..ddp import DataParallelEngine, DDPOptions, peers
 from .distributed_optimizer import DistributedOptimizerMixin
 from ..graphs import GraphManager, GraphOptions, GraphStats
 from ..lifecycle import TrainingDriver, apply_graphs, build_driver
@@ -56,11 +54,6 @@ from ..options import as_options
 from .setup_checks import check_setup, check_train_data
 from .step_hooks import StepHooksMixin
 from .torch_ddp_options import split_torch_ddp_kwargs
-
-
-def _destroy_process_group_at_exit() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 class CUDAGraphDDPMixin(StepHooksMixin, FaultsMixin, DistributedOptimizerMixin):
@@ -146,7 +139,7 @@ class CUDAGraphDDPMixin(StepHooksMixin, FaultsMixin, DistributedOptimizerMixin):
         active exception").
         """
         super().setup_distributed()
-        atexit.register(_destroy_process_group_at_exit)
+        peers.destroy_world_at_exit()
 
     @override
     def setup(self, trainer: Any) -> None:
