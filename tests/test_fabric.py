@@ -147,7 +147,8 @@ LAUNCHERS = {
     "torchrun": lambda: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                          "127.0.0.1", "--master_port", str(free_port()), SCRIPT],
     "fabric run": lambda: [sys.executable, "-c", "from lightning.fabric.cli import _main; _main()", "run",
-                           "--accelerator=cpu", "--devices=2", SCRIPT],
+                           "--accelerator=cpu", "--devices=2", "--main-address=127.0.0.1",
+                           f"--main-port={free_port()}", SCRIPT],
 }
 ARGS = ("--accumulate", "2", "--clip", "0.05", "--amp", "bf16-mixed")
 
