@@ -170,6 +170,9 @@ def markdown(doc: Dict[str, Any]) -> str:
     ]
     if st.get("smoke"):
         lines.append("- SMOKE RUN on CPU: checks code paths only, the times mean nothing")
+    expected = doc.get("rows_expected")
+    if expected and len(doc["results"]) < expected:
+        lines.append(f"- INCOMPLETE: the run stopped after {len(doc['results'])} of its {expected} rows")
     for size, cfg in doc["sizes"].items():
         rows = [r for r in doc["results"] if r["size"] == size]
         lines += [

@@ -233,20 +233,9 @@ def _run(a: argparse.Namespace, argv) -> int:
               "should be quoted with", flush=True)
     peers = all_peers()
     env = report.environment(device)
-    sizes = {}
+    sizes = {size_name: settings_for(a, size_name, device) for size_name in a.sizes}
+    first = sizes[a.sizes[0]]
     rows: List[Dict[str, Any]] = []
-    first: Optional[RunSettings] = None
-    for size_name in a.sizes:
-        s = settings_for(a, size_name, device)
-        first = first or s
-        sizes[size_name] = s.size
-        for name in a.peers:
-            row = run_peer(peers[name], s)
-            rows.append(row)
-            _print_row(row)
-    report.add_ratios(rows)
-
-    assert first is not None
     doc = {
         "benchmark": "step_time",
         "argv": sys.argv[1:] if argv is None else list(argv),
@@ -271,17 +260,23 @@ def _run(a: argparse.Namespace, argv) -> int:
                             "Lightning: DataLoader(batch_size=None), use_distributed_sampler=False",
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
         },
-        "sizes": sizes,
+        "sizes": {name: s.size for name, s in sizes.items()},
         "peers": {name: peers[name].description for name in a.peers},
+        "rows_expected": len(a.sizes) * len(a.peers),
         "results": rows,
     }
     os.makedirs(a.out, exist_ok=True)
     what = "step_time" + ("-llama" if a.model == "llama" else "") + (f"-{a.tag}" if a.tag else "")
     stem = os.path.join(a.out, report.result_name(what, "-".join(a.sizes), report.machine_slug(env), date=env["date"]))
-    report.write_json(doc, stem + ".json")
-    text = report.markdown(doc)
-    with open(stem + ".md", "w") as f:
-        f.write(text)
+    # The files are rewritten after every row, so a run stopped part-way (a time limit on a lent GPU) keeps the rows
+    # it finished; the Markdown names a run that did not finish.
+    for size_name in a.sizes:
+        for name in a.peers:
+            row = run_peer(peers[name], sizes[size_name])
+            rows.append(row)
+            _print_row(row)
+            report.add_ratios(rows)
+            text = _write(doc, stem)
     written = [stem + ".json", stem + ".md"]
     if not a.no_png:
         png = report.write_png(doc, stem + ".png")
@@ -294,6 +289,15 @@ def _run(a: argparse.Namespace, argv) -> int:
         print(f"step_time: {len(failed)} peer(s) failed: {', '.join(failed)} (tracebacks in the JSON)",
               file=sys.stderr, flush=True)
     return 0
+
+
+def _write(doc: Dict[str, Any], stem: str) -> str:
+    """``stem``.json and ``stem``.md from ``doc`` as it stands; returns the Markdown."""
+    report.write_json(doc, stem + ".json")
+    text = report.markdown(doc)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    return text
 
 
 if __name__ == "__main__":

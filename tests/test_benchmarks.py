@@ -109,6 +109,29 @@ def test_failing_peer_is_an_error_row(tmp_path, monkeypatch):
     assert "error: RuntimeError: peer broke on purpose" in (tmp_path / f"{stem}.md").read_text()
 
 
+def test_a_run_stopped_part_way_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    """A run killed at a time limit (the second peer here never returns) has already written the first peer's
+    row to the JSON and the Markdown, and the Markdown says the run is incomplete."""
+    from benchmarks import step_time
+    from benchmarks.peers import torch_ddp
+
+    class Stopped(BaseException):
+        pass
+
+    def stopped(settings):
+        raise Stopped()
+
+    monkeypatch.setattr(torch_ddp, "PEER", Peer("torch_ddp", stopped, needs_cuda=False, description="stopped"))
+    with pytest.raises(Stopped):
+        step_time.main(["--smoke", "--peers", "whole_step_graph,torch_ddp,lightning_ddp", "--no-png", "--tag", "t",
+                        "--out", str(tmp_path)])
+    stem = _result_stem(tmp_path, "step_time-t", "tiny-smoke")
+    doc = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert [r["peer"] for r in doc["results"]] == ["whole_step_graph"] and doc["rows_expected"] == 3
+    text = (tmp_path / f"{stem}.md").read_text()
+    assert "INCOMPLETE: the run stopped after 1 of its 3 rows" in text and "whole_step_graph" in text
+
+
 def test_unknown_peer_or_size_is_refused():
     from benchmarks import step_time
 
