@@ -296,6 +296,33 @@ def test_a_graphed_block_that_counts_its_calls_runs_its_own_forward_eagerly(whol
     assert stats.failed_layers == [] and sorted(stats.graphed_parts) == [f"body.blocks.{i}.fc" for i in range(3)], stats
 
 
+@pytest.mark.parametrize("model", [PlainStep, ParityModel])
+def test_a_lightning_module_compiled_before_fit_equals_the_same_compiled_module_under_ddp(model):
+    """``trainer.fit(torch.compile(module))``: Lightning unwraps the wrapper and compiles the module's
+    ``training_step`` and ``forward`` in place (``lightning.pytorch.utilities.compile.from_compiled``). The code
+    check reads through the compiled ``training_step``: a plain step is replayed from one graph, one that reads
+    ``batch_idx`` gets per-layer graphs; both bit for bit the same compiled module under "ddp"."""
+    def build():
+        return torch.compile(model(), backend="aot_eager")
+
+    strategy = cg_strategy()
+    torch._dynamo.reset()
+    try:
+        ref = train("ddp", build, max_steps=STEPS)
+        got, warned = _run(build, strategy)
+    finally:
+        torch._dynamo.reset()
+    assert_same(ref.facts(), got.facts())
+    assert got.model._compiler_ctx is not None  # Lightning saw a compiled module
+    stats = strategy.last_step_graph_stats
+    if model is PlainStep:
+        assert stats.captures == 1 and stats.replays == STEPS - 3 and stats.refusal is None, stats
+    else:
+        assert stats.captures == 0 and "reads its argument 'batch_idx'" in stats.refusal, stats
+        assert strategy.last_graph_stats.forward_replays > 0
+    assert warned == []
+
+
 def test_layers_compiled_one_by_one_keep_per_layer_graphs():
     """Layers whose forward is compiled (``graphs.compile``) are per-layer graphs' business: the default does not
     capture the whole step around them, and says so."""
