@@ -99,14 +99,15 @@ def token_loader(n: int = 64, seq: int = SEQ, batch_size: int = 4, seed: int = 1
 
 
 def fit_hf(strategy, build: Callable, steps: int = 6, *, seed: int = 0, callbacks=(), trainer_kwargs=None,
-           **module_kwargs):
+           compile_module: bool = False, **module_kwargs):
     """Seed, build ``HFModule(build, **module_kwargs)`` and fit it for ``steps`` steps on :func:`token_loader`
-    with :func:`~tests.helpers.make_trainer` (``trainer_kwargs``: e.g. ``accelerator``, ``precision``).
+    with :func:`~tests.helpers.make_trainer` (``trainer_kwargs``: e.g. ``accelerator``, ``precision``);
+    ``compile_module`` fits ``torch.compile(module)`` instead (Lightning compiles the module's steps in place).
     Returns (module, trainer)."""
     seed_everything(seed, workers=True)
     module = HFModule(build, **module_kwargs)
     trainer = make_trainer(strategy, steps, callbacks, **(trainer_kwargs or {}))
-    trainer.fit(module, token_loader())
+    trainer.fit(torch.compile(module) if compile_module else module, token_loader())
     return module, trainer
 
 

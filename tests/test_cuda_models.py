@@ -341,14 +341,17 @@ def test_cuda_whole_step_compiled_model_equals_the_same_compiled_model_under_ddp
 
 def _sdpa_fit(model, **kwargs):
     """``fit(strategy, precision)`` of a transformers model on SDPA's math kernel (deterministic): ``"llama"``,
-    ``"gpt2"`` or ``"llama-user-compiled"`` (``torch.compile`` of the Llama, as a LightningModule would);
-    ``kwargs`` go to :func:`_fit_tokens`."""
+    ``"gpt2"``, ``"llama-user-compiled"`` (``torch.compile`` of the Llama, as a LightningModule would) or
+    ``"llama-module-compiled"`` (``trainer.fit(torch.compile(module))``); ``kwargs`` go to :func:`_fit_tokens`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     hf = pytest.importorskip("tests.hf_models")
     build = {"llama": lambda: hf.tiny_llama(attn_implementation="sdpa"),
              "gpt2": lambda: hf.tiny_gpt2(attn_implementation="sdpa"),
-             "llama-user-compiled": lambda: torch.compile(hf.tiny_llama(attn_implementation="sdpa"))}[model]
+             "llama-user-compiled": lambda: torch.compile(hf.tiny_llama(attn_implementation="sdpa")),
+             "llama-module-compiled": lambda: hf.tiny_llama(attn_implementation="sdpa")}[model]
+    if model == "llama-module-compiled":
+        kwargs = {"compile_module": True, **kwargs}
 
     def fit(strategy, p):
         torch._dynamo.reset()
@@ -358,11 +361,12 @@ def _sdpa_fit(model, **kwargs):
     return fit
 
 
-@pytest.mark.parametrize("model", ["llama", "gpt2", "llama-user-compiled"])
+@pytest.mark.parametrize("model", ["llama", "gpt2", "llama-user-compiled", "llama-module-compiled"])
 def test_cuda_defaults_replay_the_whole_step_and_equal_ddp(deterministic, model):
     """No graph options: a transformers model's step is replayed from one graph, bit-equal to "ddp" in bf16-mixed;
-    a model the LightningModule compiled itself (``self.model = torch.compile(model)``) equals the same compiled
-    model under "ddp", its step launching Inductor's kernels from the graph."""
+    a model the LightningModule compiled itself (``self.model = torch.compile(model)``), or a LightningModule
+    compiled before ``Trainer.fit``, equals the same compiled model under "ddp", its step launching Inductor's
+    kernels from the graph."""
     strategy, _ = _compare_whole_step(model + " defaults", _sdpa_fit(model), "bf16-mixed", graphs={"whole_step": None})
     assert strategy.last_step_graph_stats.refusal is None
 
