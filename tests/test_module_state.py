@@ -76,3 +76,41 @@ def test_attributes_are_compared_by_identity_first_and_recorded_again_after_capt
     root = ModuleState(block, root_attributes=False)
     block.flag = True  # a new attribute is not one the capture could have read
     assert root.match()
+
+
+class _Sliced(nn.Module):
+    """Slices its ``ModuleList`` at every forward, as transformers' decoders do (``self.layers[:n]``): each slice is
+    a new ``ModuleList`` that registers its layers again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_block() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks[:2]:
+            x = block(x)
+        return x
+
+
+def test_compiled_code_that_registers_modules_stays_one_graph_with_the_count_installed():
+    """With the registration count installed, ``torch.compile`` still makes one graph of a forward that registers
+    modules (no graph break at each registration) and compiles it once over several calls (no recompile on the
+    count's value); eager registrations are still counted."""
+    from torch._dynamo.utils import counters
+
+    from cg_lightning.graphs.module_state import _Registrations, watch_registrations
+
+    watch_registrations()
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model = torch.compile(_Sliced(), backend="eager")
+        for _ in range(3):
+            model(torch.randn(2, 4))
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    before = _Registrations.count
+    _Sliced()(torch.randn(2, 4))
+    assert _Registrations.count > before

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, seed_everything
 
 from tests.helpers import cg_strategy, make_trainer
-from tests.lightning_models import Block, ParityModel, loader
+from tests.lightning_models import Block, ParityModel, loader, make_body
 from tests.lightning_runs import assert_same, train
 
 STEPS = 8  # warmup steps 0-1, capture in step 2, replays in steps 3-7
@@ -320,6 +320,62 @@ def test_a_lightning_module_compiled_before_fit_equals_the_same_compiled_module_
     else:
         assert stats.captures == 0 and "reads its argument 'batch_idx'" in stats.refusal, stats
         assert strategy.last_graph_stats.forward_replays > 0
+    assert warned == []
+
+
+class _SlicingBody(nn.Module):
+    """``ListBody`` whose forward slices its ``ModuleList`` (``self.blocks[:n]``, as transformers' decoders do):
+    every call registers the blocks again in a new ``ModuleList``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_body("modulelist")
+
+    def forward(self, x):
+        body = self.body
+        h = body.inp(x)
+        for block in body.blocks[: len(body.blocks)]:
+            h = block(h)
+        return body.head(h)
+
+
+class _CompiledBody(PlainStep):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.compile(_SlicingBody(), backend="aot_eager")
+
+
+def test_a_model_compiled_before_the_first_step_is_compiled_once(monkeypatch):
+    """``torch.compile`` guards on whether torch's global module registration hooks exist. The strategy installs its
+    registration count (``graphs/module_state.py``) when it builds, before the first step runs the compiled model,
+    so the capture does not recompile it; a recompile there made graphs other than the warmup steps' and ``"ddp"``'s
+    (a graph break at every registration by the slicing forward). A process without the hooks yet: torch's hook
+    tables emptied for this test."""
+    from collections import OrderedDict
+
+    from torch._dynamo.utils import counters
+    from torch.nn.modules import module as nn_module
+
+    from cg_lightning.graphs.module_state import _Registrations
+
+    compiles = {}
+    for name in ("ddp", "cudagraph_ddp"):
+        for table in ("_global_module_registration_hooks", "_global_parameter_registration_hooks",
+                      "_global_buffer_registration_hooks"):
+            monkeypatch.setattr(nn_module, table, OrderedDict())
+        monkeypatch.setattr(_Registrations, "installed", False)
+        torch._dynamo.reset()
+        counters.clear()
+        strategy = "ddp" if name == "ddp" else cg_strategy()
+        try:
+            run, warned = _run(_CompiledBody, strategy)
+        finally:
+            torch._dynamo.reset()
+        compiles[name] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), run)
+    (ref_graphs, ref_breaks, ref), (graphs, breaks, got) = compiles["ddp"], compiles["cudagraph_ddp"]
+    assert_same(ref.facts(), got.facts())
+    assert strategy.last_step_graph_stats.replays == STEPS - 3, strategy.last_step_graph_stats
+    assert (graphs, breaks) == (ref_graphs, ref_breaks) == (1, 0), {k: v[:2] for k, v in compiles.items()}
     assert warned == []
 
 

@@ -31,13 +31,20 @@ _SCALARS = (bool, int, float, str, type(None))
 
 class _Registrations:
     """A count of every submodule, parameter and buffer registration in the process (``module.x = ...`` included),
-    kept by torch's global registration hooks, installed at the first :class:`ModuleState`."""
+    kept by torch's global registration hooks, installed by :func:`watch_registrations` before the first step.
+
+    Compiled code does not count: dynamo inlines the hooks into every traced registration (transformers' decoders
+    slice their ``ModuleList`` at every forward, which registers each layer again), and a counter there breaks the
+    graph at each one (a class attribute) or specializes the code on its value (a list item). The registrations the
+    count guards, between steps (a callback, the loop's own code), run uncompiled."""
 
     count = 0
     installed = False
 
     @classmethod
     def bump(cls, *args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         cls.count += 1
 
     @classmethod
@@ -47,6 +54,12 @@ class _Registrations:
             _nn_module.register_module_module_registration_hook(cls.bump)
             _nn_module.register_module_parameter_registration_hook(cls.bump)
             _nn_module.register_module_buffer_registration_hook(cls.bump)
+
+
+def watch_registrations() -> None:
+    """Install the registration count now (once per process). Call it before a model is compiled: torch.compile
+    guards on whether global registration hooks exist, so installing them later recompiles the model once."""
+    _Registrations.install()
 
 
 def _attribute_slots(modules: List[torch.nn.Module]) -> List[Tuple[dict, str]]:
@@ -65,7 +78,7 @@ class ModuleState:
     """
 
     def __init__(self, module: torch.nn.Module, root_attributes: bool = True) -> None:
-        _Registrations.install()
+        watch_registrations()
         self.module = module
         self.root_attributes = root_attributes
         self._registrations = _Registrations.count

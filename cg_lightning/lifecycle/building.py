@@ -12,6 +12,7 @@ import torch.nn as nn
 from ..ddp import DataParallelEngine, DDPOptions
 from ..graphs import GraphManager, GraphOptions
 from ..graphs.backends import make_backend
+from ..graphs.module_state import watch_registrations
 from ..graphs.selection import default_layers, no_default_layers_message
 from .driver import TrainingDriver
 from .hf_cache import training_without_cache
@@ -49,6 +50,7 @@ def apply_graphs(
     """
     if not options.enabled:
         return None
+    watch_registrations()  # before anything runs compiled: installing the hooks at a capture would recompile
     if options.layers is None and not default_layers(model):
         if not whole_step:  # a graph of the whole step needs no layers
             warnings.warn(no_default_layers_message(model), UserWarning, stacklevel=2)
