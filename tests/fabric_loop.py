@@ -173,8 +173,10 @@ if __name__ == "__main__":
     except Exception as exc:
         if a.faults is not None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            with open(os.path.join(a.faults, f"error{rank}.txt"), "w") as f:
+            path = os.path.join(a.faults, f"error{rank}.txt")
+            with open(path + ".part", "w") as f:  # renamed when whole: the test reads it as soon as it exists
                 f.write(f"{time.time()!r}\n{type(exc).__name__}: {exc}")
+            os.replace(path + ".part", path)
         raise
     if torch.distributed.get_rank() == 0:
         torch.save(out, a.out)

@@ -93,8 +93,10 @@ def main() -> None:
     try:
         train(a, acc)
     except Exception as exc:
-        with open(os.path.join(a.out, f"error{rank}.txt"), "w") as f:
+        path = os.path.join(a.out, f"error{rank}.txt")
+        with open(path + ".part", "w") as f:  # renamed when whole: the test reads it as soon as it exists
             f.write(f"{time.time()!r}\n{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        os.replace(path + ".part", path)
         raise
 
 
