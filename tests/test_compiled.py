@@ -82,8 +82,11 @@ def test_a_forward_the_user_compiled_is_captured_and_given_back():
         assert layer.forward is compiled[i], "the user's compiled forward was not put back"
 
 
-def test_user_compiled_blocks_of_a_lightning_model_train_like_ddp():
-    """Lightning's own kind of model: blocks in an ``nn.ModuleList``, each compiled by the user."""
+@pytest.mark.parametrize("whole_step", [False, None])
+def test_user_compiled_blocks_of_a_lightning_model_train_like_ddp(whole_step):
+    """Lightning's own kind of model: blocks in an ``nn.ModuleList``, each compiled by the user. They get per-layer
+    graphs of their compiled forwards, also with the defaults (``whole_step`` unset), which refuse the whole step
+    for them: unlike a model compiled whole, no compiled code runs the graphed layers."""
     from tests.lightning_models import ParityModel
 
     def model():
@@ -95,7 +98,7 @@ def test_user_compiled_blocks_of_a_lightning_model_train_like_ddp():
     torch._dynamo.reset()
     ref = train("ddp", model, max_steps=6)
     torch._dynamo.reset()
-    got = train(cg_strategy(whole_step=False), model, max_steps=6)
+    got = train(cg_strategy(whole_step=whole_step), model, max_steps=6)
     assert got.trainer.strategy.last_graph_stats.captured_runners == 3
     for (name, p), q in zip(got.model.named_parameters(), ref.model.parameters()):
         assert torch.equal(p, q), name

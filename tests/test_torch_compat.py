@@ -131,3 +131,23 @@ def test_bounded_store_client_gives_up_on_a_stopped_store_host():
     finally:
         host.kill()
         host.wait(timeout=10)
+
+
+def test_compiled_around_sees_compiled_code_that_encloses_a_layer_not_a_layer_compiled_on_its_own():
+    import torch.nn as nn
+
+    def net():
+        return nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+
+    plain = net()
+    assert not torch_compat.compiled_around(plain, [plain[1]])
+    own = net()
+    own[1].forward = torch.compile(own[1].forward, backend="eager")
+    assert not torch_compat.compiled_around(own, [own[1]])  # the layer's own compiled forward
+    assert torch_compat.compiled_around(own, [own[1][0]])  # ... runs its first submodule
+    inner = net()
+    wrapped = nn.ModuleDict({"model": torch.compile(inner, backend="eager")})
+    assert torch_compat.compiled_around(wrapped, [inner[1]])
+    whole = net()
+    whole.forward = torch.compile(whole.forward, backend="eager")
+    assert torch_compat.compiled_around(whole, [whole[1]]) and not torch_compat.compiled_around(whole, [whole])

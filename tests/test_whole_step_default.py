@@ -317,10 +317,11 @@ def test_a_lightning_module_compiled_before_fit_equals_the_same_compiled_module_
     stats = strategy.last_step_graph_stats
     if model is PlainStep:
         assert stats.captures == 1 and stats.replays == STEPS - 3 and stats.refusal is None, stats
-    else:
+        assert warned == []
+    else:  # the compiled code runs as under "ddp": no per-layer graphs inside it, and a warning that says so
         assert stats.captures == 0 and "reads its argument 'batch_idx'" in stats.refusal, stats
-        assert strategy.last_graph_stats.forward_replays > 0
-    assert warned == []
+        assert strategy.last_graph_stats.forward_replays == 0 and strategy.last_graph_stats.captures == 0
+        assert len(warned) == 1 and "runs its compiled code without CUDA graphs" in warned[0], warned
 
 
 class _SlicingBody(nn.Module):
@@ -377,6 +378,38 @@ def test_a_model_compiled_before_the_first_step_is_compiled_once(monkeypatch):
     assert strategy.last_step_graph_stats.replays == STEPS - 3, strategy.last_step_graph_stats
     assert (graphs, breaks) == (ref_graphs, ref_breaks) == (1, 0), {k: v[:2] for k, v in compiles.items()}
     assert warned == []
+
+
+@pytest.mark.parametrize("case", ["handed-off-after-capture", "accumulation"])
+def test_a_compiled_model_whose_step_cannot_be_one_graph_runs_its_compiled_code_as_under_ddp(case):
+    """A model the user compiled whole whose step is refused (accumulation) or no longer replayable (a value the
+    step reads changed after the capture) gets no per-layer graphs: they would run inside the code dynamo traces
+    (a graph break and recompiles at every layer call; a capture after the hand-off failed inside AOT autograd).
+    It keeps running its compiled code, compiled as often as under "ddp", with one warning, bit for bit "ddp"."""
+    from torch._dynamo.utils import counters
+
+    kwargs = (dict(callbacks=[_SetsScale()]) if case == "handed-off-after-capture"
+              else dict(accumulate_grad_batches=2, max_steps=STEPS // 2))
+    compiles = {}
+    for name in ("ddp", "cudagraph_ddp"):
+        torch._dynamo.reset()
+        counters.clear()
+        strategy = "ddp" if name == "ddp" else cg_strategy()
+        try:
+            run, warned = _run(_CompiledBody, strategy, **kwargs)
+        finally:
+            torch._dynamo.reset()
+        compiles[name] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), run, warned)
+    (ref_graphs, ref_breaks, ref, _), (graphs, breaks, got, warned) = compiles["ddp"], compiles["cudagraph_ddp"]
+    assert_same(ref.facts(), got.facts())
+    assert (graphs, breaks) == (ref_graphs, ref_breaks) == (1, 0), {k: v[:2] for k, v in compiles.items()}
+    stats = strategy.last_step_graph_stats
+    if case == "accumulation":
+        assert stats.captures == 0 and "accumulate_grad_batches=2" in stats.refusal, stats
+    else:
+        assert stats.captures == 1 and stats.replays == 2 and "self.scale: 1.0 -> 0.5" in stats.refusal, stats
+    assert strategy.last_graph_stats.captures == 0 and strategy.last_graph_stats.forward_replays == 0
+    assert len(warned) == 1 and "runs its compiled code without CUDA graphs" in warned[0], warned
 
 
 def test_layers_compiled_one_by_one_keep_per_layer_graphs():

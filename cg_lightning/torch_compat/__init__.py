@@ -184,6 +184,20 @@ def contains_compiled(module: torch.nn.Module) -> bool:
     return False
 
 
+def compiled_around(module: torch.nn.Module, inner: Sequence[torch.nn.Module]) -> bool:
+    """Whether compiled code runs any of ``inner`` from outside it: a ``torch.compile`` wrapper, or a compiled
+    ``forward``, of ``module`` or a submodule that holds one of ``inner`` below itself (a layer compiled on its
+    own does not count)."""
+    wanted = {id(m) for m in inner}
+    for m in module.modules():
+        forward = m.__dict__.get("forward")
+        if ((type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"))
+                or (forward is not None and is_compiled(forward))):
+            if any(id(sub) in wanted for sub in m.modules() if sub is not m):
+                return True
+    return False
+
+
 # ------------------------------------------------------------------------- memory
 def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor viewing ``t``'s memory without keeping it allocated (``torch._C._construct_storage_from_data_pointer``):

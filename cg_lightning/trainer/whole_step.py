@@ -98,20 +98,30 @@ class LightningWholeStep:
     def give_up(self, reason: str) -> None:
         """No whole-step graphs from now on, and the layers get per-layer graphs. One warning when the option was
         asked for; unset, one line on rank 0 (and the warning for a model without layers to graph, which then
-        trains eagerly)."""
+        trains eagerly). A model whose compiled code runs the graphed layers gets no per-layer graphs: it runs its
+        compiled code ungraphed, with a warning."""
         self.stats.refusal = reason
         self.strategy.engine.adoption.stop()  # every main_grad in the buffer again, for per-layer graphs
         if self.graphs is not None:
             self.graphs.clear()
         self.graphs = None
         driver = self.strategy.driver
+        what = "no longer replayed from" if self.stats.replays else "not captured as"
+        if self._suspended and torch_compat.compiled_around(self.strategy.lightning_module,
+                                                            [layer.module for layer in driver.graph_manager.layers]):
+            # per-layer graphs would run inside code torch.compile traces: a graph break and guards at every layer
+            # call, and a later capture traced itself. The compiled model goes on as under "ddp", without graphs.
+            warnings.warn(f"cg_lightning: the training step is {what} one graph: {reason}. The compiled model runs "
+                          "its compiled code without CUDA graphs from now on (per-layer graphs would run inside the "
+                          "code torch.compile traces). To graph it, remove that cause, or leave the model uncompiled "
+                          "and set graphs.compile: true (each layer compiled and graphed on its own).", stacklevel=3)
+            return
         driver.layers_paused = False
-        if self._suspended:
+        if self._suspended:  # layers compiled one by one: per-layer graphs capture their compiled forwards
             driver.graph_manager.selection.resume()
             self._suspended = False
         then = ("The layers get per-layer graphs instead" if driver.graph_manager is not None
                 else "It runs eagerly (no layers to graph)")
-        what = "no longer replayed from" if self.stats.replays else "not captured as"
         if not self.auto:
             warnings.warn(f"cg_lightning: graphs.whole_step: the training step is {what} one graph: {reason}. "
                           f"{then}.", stacklevel=3)
