@@ -7,13 +7,12 @@ schedulers, checkpoints and validation stay outside the step's graph, except the
 ``graphs.capture_optimizer`` where no hook runs between the backward and it (:mod:`.step_update`). ``self.log`` calls
 in ``training_step`` are recorded at capture and issued again after every replay.
 
-By default (``graphs.whole_step`` unset) the step is captured only where that is provably safe: the
-``training_step``'s Python reads nothing that changes between steps except what is compared before each replay
-(:mod:`cg_lightning.graphs.step.step_code`: no ``batch_idx``, no ``global_step``, no mutable attributes; watched numbers;
-submodules' modes and ``requires_grad``), and its host reads are of constants only (:mod:`cg_lightning.graphs.
-capture_reads`: anything else fails the capture). A refusal is one line on rank 0 and the layers get per-layer
-graphs. ``graphs.whole_step: true`` skips the code check (the step's Python is then frozen as it is) and warns on a
-refusal; ``false`` never captures the step.
+By default (``graphs.whole_step`` unset) the step is captured only where that is provably safe: its Python reads
+nothing that changes between steps except what is compared before each replay (:mod:`cg_lightning.graphs.step.
+step_code`: no ``batch_idx``, no ``global_step``; watched numbers, submodules' modes and ``requires_grad``), and its
+host reads are of constants only (:mod:`cg_lightning.graphs.step.capture_reads`). A refusal is one line on rank 0
+and the layers get per-layer graphs (a model compiled whole runs its compiled code ungraphed, warned).
+``graphs.whole_step: true`` skips the code check and warns on a refusal; ``false`` never captures the step.
 
 What a replayed step cannot hold is refused before capture (:func:`.step_checks.static_refusal`; a Python number or
 a torchmetrics ``Metric`` logged; a capture that fails, its line named), and the layers get per-layer graphs
@@ -98,19 +97,15 @@ class LightningWholeStep:
     def give_up(self, reason: str) -> None:
         """No whole-step graphs from now on, and the layers get per-layer graphs. One warning when the option was
         asked for; unset, one line on rank 0 (and the warning for a model without layers to graph, which then
-        trains eagerly). A model whose compiled code runs the graphed layers gets no per-layer graphs: it runs its
-        compiled code ungraphed, with a warning."""
+        trains eagerly). A model whose compiled code runs the layers runs it ungraphed instead, with a warning."""
         self.stats.refusal = reason
         self.strategy.engine.adoption.stop()  # every main_grad in the buffer again, for per-layer graphs
-        if self.graphs is not None:
-            self.graphs.clear()
-        self.graphs = None
-        driver = self.strategy.driver
+        self.graphs, graphs, driver = None, self.graphs, self.strategy.driver
+        if graphs is not None:
+            graphs.clear()
         what = "no longer replayed from" if self.stats.replays else "not captured as"
-        if self._suspended and torch_compat.compiled_around(self.strategy.lightning_module,
-                                                            [layer.module for layer in driver.graph_manager.layers]):
-            # per-layer graphs would run inside code torch.compile traces: a graph break and guards at every layer
-            # call, and a later capture traced itself. The compiled model goes on as under "ddp", without graphs.
+        layers = [layer.module for layer in driver.graph_manager.layers] if self._suspended else []
+        if layers and torch_compat.compiled_around(self.strategy.lightning_module, layers):  # dynamo would trace them
             warnings.warn(f"cg_lightning: the training step is {what} one graph: {reason}. The compiled model runs "
                           "its compiled code without CUDA graphs from now on (per-layer graphs would run inside the "
                           "code torch.compile traces). To graph it, remove that cause, or leave the model uncompiled "
@@ -123,9 +118,8 @@ class LightningWholeStep:
         then = ("The layers get per-layer graphs instead" if driver.graph_manager is not None
                 else "It runs eagerly (no layers to graph)")
         if not self.auto:
-            warnings.warn(f"cg_lightning: graphs.whole_step: the training step is {what} one graph: {reason}. "
-                          f"{then}.", stacklevel=3)
-            return
+            return warnings.warn(f"cg_lightning: graphs.whole_step: the training step is {what} one graph: {reason}. "
+                                 f"{then}.", stacklevel=3)
         self.announce(f"cg_lightning: the training step is {what} one graph: {reason}. {then} (graphs.whole_step: "
                       "false chooses them without this check).")
         if driver.graph_manager is None and self.options.layers is None:
