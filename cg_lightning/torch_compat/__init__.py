@@ -175,13 +175,14 @@ OP_TYPES = (torch._ops.OpOverloadPacket, torch._ops.OpOverload)
 def contains_compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` or a submodule is compiled: a ``torch.compile(module)`` wrapper (``OptimizedModule``, in
     ``torch._dynamo.eval_frame``), or a ``forward`` replaced by a compiled function (:func:`is_compiled`)."""
-    for m in module.modules():
-        if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):
-            return True
-        forward = m.__dict__.get("forward")
-        if forward is not None and is_compiled(forward):
-            return True
-    return False
+    return any(_compiled_here(m) for m in module.modules())
+
+
+def _compiled_here(m: torch.nn.Module) -> bool:
+    """``m`` is a ``torch.compile`` wrapper or has a compiled ``forward`` of its own."""
+    forward = m.__dict__.get("forward")
+    return (type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod")) or (
+        forward is not None and is_compiled(forward))
 
 
 def compiled_around(module: torch.nn.Module, inner: Sequence[torch.nn.Module]) -> bool:
@@ -189,13 +190,8 @@ def compiled_around(module: torch.nn.Module, inner: Sequence[torch.nn.Module]) -
     ``forward``, of ``module`` or a submodule that holds one of ``inner`` below itself (a layer compiled on its
     own does not count)."""
     wanted = {id(m) for m in inner}
-    for m in module.modules():
-        forward = m.__dict__.get("forward")
-        if ((type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"))
-                or (forward is not None and is_compiled(forward))):
-            if any(id(sub) in wanted for sub in m.modules() if sub is not m):
-                return True
-    return False
+    return any(_compiled_here(m) and any(id(sub) in wanted for sub in m.modules() if sub is not m)
+               for m in module.modules())
 
 
 # ------------------------------------------------------------------------- memory

@@ -107,9 +107,8 @@ class LightningWholeStep:
         layers = [layer.module for layer in driver.graph_manager.layers] if self._suspended else []
         if layers and torch_compat.compiled_around(self.strategy.lightning_module, layers):  # dynamo would trace them
             warnings.warn(f"cg_lightning: the training step is {what} one graph: {reason}. The compiled model runs "
-                          "its compiled code without CUDA graphs from now on (per-layer graphs would run inside the "
-                          "code torch.compile traces). To graph it, remove that cause, or leave the model uncompiled "
-                          "and set graphs.compile: true (each layer compiled and graphed on its own).", stacklevel=3)
+                          "its compiled code without CUDA graphs from now on (per-layer graphs would run inside traced "
+                          "code); remove that cause, or set graphs.compile instead of compiling it.", stacklevel=3)
             return
         driver.layers_paused = False
         if self._suspended:  # layers compiled one by one: per-layer graphs capture their compiled forwards
@@ -118,8 +117,9 @@ class LightningWholeStep:
         then = ("The layers get per-layer graphs instead" if driver.graph_manager is not None
                 else "It runs eagerly (no layers to graph)")
         if not self.auto:
-            return warnings.warn(f"cg_lightning: graphs.whole_step: the training step is {what} one graph: {reason}. "
-                                 f"{then}.", stacklevel=3)
+            warnings.warn(f"cg_lightning: graphs.whole_step: the training step is {what} one graph: {reason}. {then}.",
+                          stacklevel=3)
+            return
         self.announce(f"cg_lightning: the training step is {what} one graph: {reason}. {then} (graphs.whole_step: "
                       "false chooses them without this check).")
         if driver.graph_manager is None and self.options.layers is None:
